@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+
+from karula_jax.data import client_weights, from_client_arrays, synthetic_ridge
+
+
+def test_padding_and_mask():
+    xs = [np.ones((2, 3)), 2 * np.ones((4, 3))]
+    ys = [np.zeros(2), np.ones(4)]
+    data = from_client_arrays(xs, ys)
+    assert data.x.shape == (2, 4, 3) and data.y.shape == (2, 4)
+    np.testing.assert_array_equal(data.counts, [2, 4])
+    np.testing.assert_array_equal(data.mask, [[1, 1, 0, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(data.x[0, 2:], 0.0)
+
+
+@pytest.mark.parametrize(
+    "xs, ys, kwargs, err, match",
+    [
+        ([np.ones((2, 3)), np.ones((2, 4))], [np.ones(2)] * 2, {}, ValueError, "feature shapes"),
+        (
+            [np.ones((2, 3)), np.zeros((0, 3))],
+            [np.ones(2), np.ones(0)],
+            {},
+            ValueError,
+            "no samples",
+        ),
+        ([np.full((2, 3), np.nan)], [np.ones(2)], {}, ValueError, "NaN"),
+        ([np.ones((2, 3))], [np.array([0.0, np.inf])], {}, ValueError, "NaN or infinite"),
+        ([np.ones((2, 3))], [np.array([0.5, 1.0])], {"num_classes": 3}, ValueError, "integer"),
+        ([np.ones((2, 3))], [np.array([0, 3])], {"num_classes": 3}, ValueError, r"\[0, 3\)"),
+        ([np.ones((2, 3))], [np.ones(3)], {}, ValueError, "rows"),
+        ([], [], {}, ValueError, "at least one client"),
+        ([np.ones((2, 3))], [np.ones(2), np.ones(2)], {}, ValueError, "one entry per client"),
+    ],
+)
+def test_bad_input_is_named(xs, ys, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        from_client_arrays(xs, ys, **kwargs)
+
+
+def test_client_weights_mean_one():
+    w = client_weights(np.array([10, 30, 20]))
+    np.testing.assert_allclose(w, [0.5, 1.5, 1.0], rtol=1e-6)
+
+
+def test_synthetic_ridge_matches_its_docstring():
+    s = synthetic_ridge(0, noise_std=0.0)
+    n, d = s.theta_true.shape
+    assert (n, d) == (30, 50)
+    counts = np.asarray(s.train.counts)
+    assert counts.min() >= 10 and counts.max() <= 100
+    np.testing.assert_array_equal(np.bincount(np.asarray(s.groups)), [10, 10, 10])
+    # Noise-free responses are exactly linear in the features on real rows.
+    pred = np.einsum("nkd,nd->nk", np.asarray(s.train.x), np.asarray(s.theta_true))
+    mask = np.asarray(s.train.mask)
+    np.testing.assert_allclose(pred[mask], np.asarray(s.train.y)[mask], rtol=1e-4, atol=1e-3)
+    # Group centres are 1, 1.5, 2.
+    centres = [np.asarray(s.theta_true)[np.asarray(s.groups) == g].mean() for g in range(3)]
+    np.testing.assert_allclose(centres, [1.0, 1.5, 2.0], atol=0.05)
+    # Same seed, same data.
+    np.testing.assert_array_equal(synthetic_ridge(0).train.x, synthetic_ridge(0).train.x)
