@@ -40,7 +40,7 @@ def synthetic_ridge(
     max_samples: int = 100,
     feature_mean_std: float = 0.2,
     feature_scale_range: tuple[float, float] = (0.8, 1.2),
-    noise_std: float = 1.0,
+    noise_std: float = 0.6,
     num_test: int = 100,
 ) -> SyntheticRidge:
     """Heterogeneous linear-regression clients in groups with different true models.
@@ -58,6 +58,10 @@ def synthetic_ridge(
       per coordinate, so feature distributions differ across clients but only
       mildly (big feature shifts would make data differ where models do not).
     * Responses: ``y = x . theta_i* + e`` with ``e ~ N(0, noise_std^2)``, no intercept.
+      The paper tunes the noise "so that the global model beats local models"; the
+      default 0.6 gives exact local ridge fits (lambda = 1e-6) a mean estimation error
+      of about 36 and test R^2 of about 0.73 (paper: 35.3 and 0.69), while one pooled
+      global fit has error about 9 and R^2 about 0.87 (measured over seeds 0-4).
     * Sizes: ``N_i`` uniform on ``{min_samples, ..., max_samples}``; the test set has
       ``num_test`` fresh rows per client from the same distribution.
 
