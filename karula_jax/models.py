@@ -1,0 +1,264 @@
+"""Models and their loss / accuracy functions, used through plain params pytrees.
+
+Every loss here follows the ``LossFn`` contract of :mod:`karula_jax.algorithms.base`:
+``loss(params, x, y, mask) -> scalar`` is the mean over the rows where ``mask`` is
+True (padding never contributes, to the value or to the gradient), for ONE client's
+``params``. Algorithms vmap it over clients.
+
+Neural networks are flax linen modules. :func:`init_params` returns the full variable
+dict ``{"params": {...}}`` so that ``model.apply`` itself is the ``apply_fn(params, x)``
+the loss factories take::
+
+    model = mlp()
+    params = init_params(model, jax.random.key(0), (1, 784))
+    loss = cross_entropy_loss(model.apply)
+    grads = jax.grad(loss)(params, x, y, mask)
+    personal = output_layer_mask(params)  # True on params["params"]["output"] only
+
+Linear models use a flat vector ``theta: [d]`` (ridge) or ``{"w": [d], "b": []}``
+(logistic regression) and need no flax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "MLP",
+    "accuracy",
+    "cross_entropy_loss",
+    "init_params",
+    "linear_params",
+    "logistic_accuracy",
+    "logistic_loss",
+    "mlp",
+    "output_layer_mask",
+    "ridge_loss",
+]
+
+ApplyFn = Callable[[Any, jnp.ndarray], jnp.ndarray]
+
+
+class MLP(nn.Module):
+    """One hidden ReLU layer: ``x [..., d] -> Dense(hidden) -> ReLU -> Dense(num_classes)``.
+
+    The layers are named ``"hidden"`` and ``"output"``; the output gives logits.
+    """
+
+    hidden: int = 100
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        h = nn.relu(nn.Dense(self.hidden, name="hidden")(x))
+        return nn.Dense(self.num_classes, name="output")(h)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def mlp(hidden: int = 100, num_classes: int = 10) -> MLP:
+    """The paper's FEMNIST network: 784-100-10 with ReLU (input size set at init).
+
+    Args:
+      hidden: width of the hidden layer.
+      num_classes: number of output logits.
+
+    Returns:
+      An :class:`MLP` module; its ``apply(params, x)`` maps ``x [B, d]`` to logits
+      ``[B, num_classes]``.
+    """
+    return MLP(_positive_int("hidden", hidden), _positive_int("num_classes", num_classes))
+
+
+def init_params(model: nn.Module, key: jax.Array, input_shape) -> dict:
+    """Initializes a linen module on a dummy input.
+
+    Args:
+      model: a flax linen module.
+      key: PRNG key for the initializers.
+      input_shape: shape of one input batch, e.g. ``(1, 784)``.
+
+    Returns:
+      The variable dict ``{"params": {...}}`` to pass to ``model.apply``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a flax.linen.Module, got {type(model).__name__}")
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except TypeError as e:
+        raise TypeError(f"input_shape must be a sequence of ints, got {input_shape!r}") from e
+    if any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must have positive sizes, got {shape}")
+    return model.init(key, jnp.zeros(shape, jnp.float32))
+
+
+def _masked_mean(values: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    # Empty masks give 0, not NaN: a client with no real row in a minibatch must not poison
+    # the round.
+    mask = mask.astype(values.dtype)
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _check_apply(apply_fn) -> None:
+    if not callable(apply_fn):
+        raise TypeError(f"apply_fn must be callable (params, x) -> logits, got {apply_fn!r}")
+
+
+def cross_entropy_loss(apply_fn: ApplyFn) -> Callable:
+    """Softmax cross-entropy on integer labels, averaged over real rows.
+
+    Args:
+      apply_fn: ``apply_fn(params, x [B, ...]) -> logits [B, C]``, e.g. ``model.apply``.
+
+    Returns:
+      ``loss(params, x, y, mask) -> []`` with ``y`` int of shape ``[B]`` and ``mask`` bool
+      ``[B]``: ``sum_b mask_b * (logsumexp(z_b) - z_b[y_b]) / max(sum_b mask_b, 1)``.
+    """
+    _check_apply(apply_fn)
+
+    def loss(params, x, y, mask):
+        logits = apply_fn(params, x)
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
+        return _masked_mean(logz - picked, mask)
+
+    return loss
+
+
+def accuracy(apply_fn: ApplyFn) -> Callable:
+    """Fraction of real rows whose arg-max logit is the label.
+
+    Args:
+      apply_fn: ``apply_fn(params, x [B, ...]) -> logits [B, C]``.
+
+    Returns:
+      ``acc(params, x, y, mask) -> []`` in ``[0, 1]`` (0 when ``mask`` is all False).
+    """
+    _check_apply(apply_fn)
+
+    def acc(params, x, y, mask):
+        pred = jnp.argmax(apply_fn(params, x), axis=-1)
+        return _masked_mean((pred == y).astype(jnp.float32), mask)
+
+    return acc
+
+
+def _get_path(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def output_layer_mask(params, layer: str | None = None):
+    """Boolean pytree (same structure as ``params``): True on the output layer only.
+
+    This is the personalization mask of the FEMNIST experiment (only the last layer
+    is personalized). The output layer is, in order of preference: the entry named
+    ``layer``; the entry named ``"output"`` (as in :class:`MLP`); otherwise the last
+    entry in creation order (linen names layers ``Dense_0, Dense_1, ...``; creation
+    order is lost once a dict went through ``jax.tree.map``, which sorts keys, so
+    pass ``layer`` for such models). A variable dict ``{"params": {...}}`` is looked
+    into. Params whose top level holds arrays only (a linear model) are all True.
+
+    Args:
+      params: a nested dict of arrays (flax params or variables).
+      layer: name of the output layer, optional.
+
+    Returns:
+      A pytree of Python bools with the structure of ``params``.
+    """
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be a dict pytree, got {type(params).__name__}")
+    prefix: tuple = ()
+    if set(params) == {"params"} and isinstance(params["params"], dict):
+        prefix = ("params",)
+    modules = _get_path(params, prefix)
+    sub = [k for k, v in modules.items() if isinstance(v, dict)]
+    if layer is not None:
+        if layer not in modules:
+            raise ValueError(f"layer={layer!r} is not a top-level entry; have {list(modules)}")
+        target = prefix + (layer,)
+    elif not sub:
+        return jax.tree.map(lambda _: True, params)
+    elif "output" in sub:
+        target = prefix + ("output",)
+    else:
+        target = prefix + (sub[-1],)
+
+    def mark(path, _):
+        keys = tuple(getattr(p, "key", p) for p in path)
+        return keys[: len(target)] == target
+
+    return jax.tree_util.tree_map_with_path(mark, params)
+
+
+def _check_lam(lam) -> float:
+    try:
+        lam = float(lam)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"lam must be a number, got {lam!r}") from e
+    if not np.isfinite(lam) or lam < 0:
+        raise ValueError(f"lam must be finite and >= 0, got {lam}")
+    return lam
+
+
+def ridge_loss(lam: float) -> Callable:
+    """Ridge regression on a flat parameter vector.
+
+    Args:
+      lam: L2 penalty ``>= 0``.
+
+    Returns:
+      ``loss(theta [d], x [B, d], y [B], mask [B]) -> []`` equal to
+      ``sum_b mask_b (x_b . theta - y_b)^2 / (2 max(sum mask, 1)) + lam/2 ||theta||^2``.
+    """
+    lam = _check_lam(lam)
+
+    def loss(theta, x, y, mask):
+        resid = x @ theta - y
+        return 0.5 * _masked_mean(resid**2, mask) + 0.5 * lam * jnp.sum(theta**2)
+
+    return loss
+
+
+def linear_params(dim: int, dtype=jnp.float32) -> dict:
+    """Zero logistic-regression parameters ``{"w": [dim], "b": []}``."""
+    dim = _positive_int("dim", dim)
+    return {"w": jnp.zeros((dim,), dtype), "b": jnp.zeros((), dtype)}
+
+
+def logistic_loss(lam: float) -> Callable:
+    """Binary logistic regression with an L2 penalty on the weights (not the bias).
+
+    Args:
+      lam: L2 penalty ``>= 0``.
+
+    Returns:
+      ``loss(params, x [B, d], y [B], mask [B]) -> []`` with ``params = {"w": [d], "b": []}``
+      and labels ``y`` in ``{0, 1}``: the masked mean of
+      ``log(1 + exp(z)) - y z`` with ``z = x . w + b``, plus ``lam/2 ||w||^2``.
+    """
+    lam = _check_lam(lam)
+
+    def loss(params, x, y, mask):
+        z = x @ params["w"] + params["b"]
+        nll = jax.nn.softplus(z) - y.astype(z.dtype) * z
+        return _masked_mean(nll, mask) + 0.5 * lam * jnp.sum(params["w"] ** 2)
+
+    return loss
+
+
+def logistic_accuracy(params, x, y, mask) -> jnp.ndarray:
+    """Fraction of real rows with ``(x . w + b > 0) == y`` (a ``LossFn``-shaped metric)."""
+    z = x @ params["w"] + params["b"]
+    return _masked_mean(((z > 0) == (y > 0.5)).astype(jnp.float32), mask)
