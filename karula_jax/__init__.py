@@ -4,7 +4,7 @@ Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projectio
 ``algorithms`` -> ``training`` (compiled runs) -> metrics.
 """
 
-from karula_jax import data, models
+from karula_jax import data, embedding, models
 
-__all__ = ["data", "models"]
+__all__ = ["data", "embedding", "models"]
 __version__ = "0.1.0"

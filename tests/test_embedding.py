@@ -1,0 +1,253 @@
+"""OT embedding and dissimilarities, checked against exact OT (POT) and brute force."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ot
+import pytest
+from scipy import stats
+
+from karula_jax import embedding
+from karula_jax.data import ClientData, from_client_arrays, synthetic_ridge
+
+KEY = jax.random.PRNGKey(0)
+
+
+def _exact_w1(joint, counts):
+    """Exact pairwise W1 (POT network simplex, Euclidean ground cost), float64."""
+    z = np.asarray(joint, np.float64)
+    c = np.asarray(counts)
+    n = len(c)
+    w = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            zi, zj = z[i, : c[i]], z[j, : c[j]]
+            cost = ot.dist(zi, zj, metric="euclidean")
+            w[i, j] = w[j, i] = ot.emd2(np.full(c[i], 1 / c[i]), np.full(c[j], 1 / c[j]), cost)
+    return w
+
+
+def _spearman_upper(a, b):
+    iu = np.triu_indices(a.shape[0], 1)
+    return stats.spearmanr(np.asarray(a)[iu], np.asarray(b)[iu])[0]
+
+
+@pytest.fixture(scope="module")
+def ridge():
+    return synthetic_ridge(0, num_clients=8, dim=5, min_samples=10, max_samples=40)
+
+
+@pytest.fixture(scope="module")
+def ridge_d(ridge):
+    return embedding.dissimilarities(ridge.train, key=KEY, num_reference=40)
+
+
+def test_rank_correlation_with_exact_w1(ridge, ridge_d):
+    d, info = ridge_d
+    assert bool(info.converged.all())
+    w = _exact_w1(embedding.joint_samples(ridge.train), ridge.train.counts)
+    assert _spearman_upper(d, w) >= 0.95
+    # Linearized W1 is on the same scale as W1 (it is not a lower bound, but close).
+    iu = np.triu_indices(8, 1)
+    ratio = np.asarray(d)[iu] / w[iu]
+    assert 0.7 < ratio.mean() < 1.3
+
+
+def test_shifted_gaussians_rank_correlation():
+    rng = np.random.default_rng(1)
+    shifts = rng.uniform(0, 3, size=(7, 3))
+    xs = [rng.normal(size=(int(rng.integers(15, 35)), 3)) + s for s in shifts]
+    ys = [x @ np.ones(3) for x in xs]
+    clients = from_client_arrays(xs, ys)
+    d, info = embedding.dissimilarities(clients, key=KEY, num_reference=40, epsilon=0.02)
+    assert bool(info.converged.all())
+    w = _exact_w1(embedding.joint_samples(clients), clients.counts)
+    assert _spearman_upper(d, w) >= 0.95
+
+
+def test_metric_properties(ridge_d):
+    d = np.asarray(ridge_d[0], np.float64)
+    assert d.dtype == np.float64 and d.shape == (8, 8)
+    np.testing.assert_array_equal(d, d.T)
+    np.testing.assert_array_equal(np.diag(d), 0.0)
+    assert (d[~np.eye(8, dtype=bool)] > 0).all()
+    # triangle inequality d_ik <= d_ij + d_jk for all triples
+    viol = d[:, None, :] - d[:, :, None] - d[None, :, :].transpose(0, 2, 1)
+    assert viol.max() <= 1e-5 * d.max()
+
+
+def test_pairwise_matches_brute_force():
+    maps = jax.random.normal(KEY, (5, 6, 4))
+    m = np.asarray(maps, np.float64)
+    row = np.array([[np.linalg.norm(a - b, axis=1).mean() for b in m] for a in m])
+    l1 = np.array([[np.abs(a - b).sum() / np.sqrt(6) for b in m] for a in m])
+    np.testing.assert_allclose(embedding.pairwise_from_embeddings(maps), row, rtol=1e-5)
+    np.testing.assert_allclose(
+        embedding.pairwise_from_embeddings(maps, norm="l1"), l1, rtol=1e-5, atol=1e-6
+    )
+    # Embeddings (maps minus the reference) give the same D.
+    ref = jax.random.normal(jax.random.PRNGKey(1), (6, 4))
+    np.testing.assert_allclose(
+        embedding.pairwise_from_embeddings(maps - ref[None]), row, rtol=1e-4, atol=1e-5
+    )
+
+
+def test_l1_norm_option(ridge, ridge_d):
+    d_row, info = ridge_d
+    d_l1, _ = embedding.dissimilarities(ridge.train, reference=info.reference, norm="l1", key=None)
+    phi = np.asarray(info.embeddings, np.float64)
+    n0 = phi.shape[1]
+    i, j = 1, 5
+    np.testing.assert_allclose(d_l1[i, j], np.abs(phi[i] - phi[j]).sum() / np.sqrt(n0), rtol=1e-4)
+    assert _spearman_upper(d_l1, d_row) > 0.9
+
+
+def test_plans_marginals_and_maps(ridge):
+    threshold = 1e-3
+    joint = embedding.joint_samples(ridge.train)
+    counts = np.asarray(ridge.train.counts)
+    ref = embedding.gaussian_reference(joint, counts, num_reference=30, key=KEY)
+    out = embedding.embed(joint, counts, ref, epsilon=0.05, threshold=threshold)
+    assert bool(out.converged.all())
+    plans = np.asarray(out.plans, np.float64)
+    for i, c in enumerate(counts):
+        b = np.where(np.arange(joint.shape[1]) < c, 1.0 / c, 0.0)
+        # ott stops when the client-side L1 marginal error is below the threshold; its last
+        # update fits the reference side exactly (up to float32 rounding).
+        assert np.abs(plans[i].sum(0) - b).sum() <= 1.05 * threshold
+        np.testing.assert_allclose(plans[i].sum(1), 1 / 30, atol=1e-6)
+        assert (plans[i][:, c:] == 0).all()
+        np.testing.assert_allclose(
+            out.maps[i], 30 * plans[i] @ np.asarray(joint[i], np.float64), rtol=1e-4, atol=1e-4
+        )
+    assert np.asarray(out.marginal_error).max() <= 1.05 * threshold + 30 * 1e-6
+
+
+def test_small_epsilon_plan_cost_matches_exact_w1():
+    # As epsilon -> 0 the entropic plan's transport cost approaches exact W1 (POT's network
+    # simplex). W1 plans are often not unique, so the cost, not the plan, is compared.
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(12, 2))
+    ref = rng.normal(size=(9, 2)) + 0.5
+    clients = from_client_arrays([z[:, :1]], [z[:, 1]])
+    cost = ot.dist(ref, z, metric="euclidean")
+    exact = ot.emd2(np.full(9, 1 / 9), np.full(12, 1 / 12), cost)
+    gaps = []
+    for eps in (0.1, 0.01):
+        out = embedding.embed(
+            embedding.joint_samples(clients), clients.counts, ref, epsilon=eps, threshold=1e-4
+        )
+        assert bool(out.converged.all())
+        gaps.append(np.sum(np.asarray(out.plans[0], np.float64) * cost) - exact)
+    assert gaps[1] < gaps[0]
+    assert -1e-3 < gaps[1] < 0.01 * exact
+
+
+def test_padding_changes_nothing(ridge):
+    tr = ridge.train
+    counts = np.asarray(tr.counts)
+    xs = [np.asarray(tr.x[i, :c]) for i, c in enumerate(counts)]
+    ys = [np.asarray(tr.y[i, :c]) for i, c in enumerate(counts)]
+    padded = from_client_arrays(xs, ys, max_count=tr.max_count + 17)
+    d0, info0 = embedding.dissimilarities(tr, key=KEY, num_reference=20)
+    d1, info1 = embedding.dissimilarities(padded, key=KEY, num_reference=20)
+    np.testing.assert_allclose(info1.reference, info0.reference, atol=1e-5)
+    np.testing.assert_allclose(info1.embeddings, info0.embeddings, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(d1, d0, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(info1.converged, info0.converged)
+
+    # One client alone, unpadded, gives the same map as inside the padded batch.
+    i = int(np.argmin(counts))
+    alone = from_client_arrays([xs[i]], [ys[i]])
+    out = embedding.embed(embedding.joint_samples(alone), alone.counts, info0.reference)
+    np.testing.assert_allclose(
+        out.maps[0] - info0.reference, info1.embeddings[i], rtol=1e-4, atol=1e-4
+    )
+
+
+def test_non_convergence_is_reported(ridge):
+    _, info = embedding.dissimilarities(ridge.train, key=KEY, num_reference=20, max_iterations=10)
+    assert not bool(info.converged.any())
+    assert (np.asarray(info.iterations) == 10).all()
+    assert np.asarray(info.marginal_error).min() > 1e-3
+    _, info = embedding.dissimilarities(
+        ridge.train, key=KEY, num_reference=20, epsilon=1e-4, max_iterations=100
+    )
+    assert not bool(info.converged.all())
+
+
+def test_classification_one_hot():
+    rng = np.random.default_rng(2)
+    xs, ys = [], []
+    for i in range(6):
+        n = int(rng.integers(12, 30))
+        xs.append(rng.normal(size=(n, 2, 2)) + 0.3 * i)
+        # label mix moves from class 0 to class 2 across clients
+        p = np.array([6 - i, 3, i + 1], float)
+        ys.append(rng.choice(3, size=n, p=p / p.sum()))
+    clients = from_client_arrays(xs, ys, num_classes=3)
+    z = embedding.joint_samples(clients, num_classes=3, label_scale=2.0)
+    assert z.shape == (6, clients.max_count, 4 + 3)
+    c0 = int(clients.counts[0])
+    np.testing.assert_allclose(z[0, :c0, 4:], 2.0 * np.eye(3)[ys[0]])
+    np.testing.assert_array_equal(z[0, c0:], 0.0)  # padding rows are inert zeros
+    d, info = embedding.dissimilarities(
+        clients, key=KEY, num_classes=3, label_scale=2.0, num_reference=30
+    )
+    assert bool(info.converged.all())
+    assert info.reference.shape == (30, 7)
+    assert _spearman_upper(d, _exact_w1(z, clients.counts)) >= 0.95
+
+
+def test_gaussian_reference_is_federated_average():
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(size=(n, 2)) * s + m for n, s, m in [(30, 1.0, 0.0), (60, 2.0, 3.0)]]
+    ys = [x[:, 0] - x[:, 1] for x in xs]
+    clients = from_client_arrays(xs, ys)
+    zs = [np.concatenate([x, y[:, None]], 1) for x, y in zip(xs, ys, strict=True)]
+    w = np.array([30, 60]) / 90
+    mu = sum(wi * z.mean(0) for wi, z in zip(w, zs, strict=True))
+    cov = sum(wi * np.cov(z.T, bias=True) for wi, z in zip(w, zs, strict=True))
+    ref = np.asarray(
+        embedding.gaussian_reference(clients, num_reference=40000, key=KEY), np.float64
+    )
+    assert ref.shape == (40000, 3)
+    np.testing.assert_allclose(ref.mean(0), mu, atol=0.06)
+    np.testing.assert_allclose(np.cov(ref.T), cov, atol=0.15, rtol=0.03)
+
+
+def test_compiles_once_for_same_shapes(ridge):
+    tr = ridge.train
+    embedding.dissimilarities(tr, key=KEY, num_reference=20)
+    before = embedding._TRACE_COUNT["embed"]
+    other = ClientData(tr.x * 1.5 + 0.1, tr.y - 2.0, tr.counts)
+    for k in range(2):
+        embedding.dissimilarities(other, key=jax.random.PRNGKey(k), num_reference=20, epsilon=0.1)
+    assert embedding._TRACE_COUNT["embed"] == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_reference": 0}, "num_reference"),
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": -1.0}, "epsilon"),
+        ({"norm": "l2"}, "norm"),
+        ({"reference": jnp.zeros((5, 3))}, "reference"),
+        ({"reference": jnp.full((5, 6), jnp.nan)}, "reference"),
+        ({"key": None}, "key"),
+    ],
+)
+def test_bad_input(ridge, kwargs, match):
+    kwargs = {"key": KEY, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        embedding.dissimilarities(ridge.train, **kwargs)
+
+
+def test_nan_data_rejected(ridge):
+    tr = ridge.train
+    bad = ClientData(tr.x.at[0, 0, 0].set(jnp.nan), tr.y, tr.counts)
+    with pytest.raises(ValueError, match="NaN"):
+        embedding.dissimilarities(bad, key=KEY)
+    with pytest.raises(ValueError, match="labels"):
+        embedding.joint_samples(tr, num_classes=3)
