@@ -1,0 +1,855 @@
+"""The training driver: a federated run as a few compiled programs.
+
+A run of ``num_rounds`` rounds is a Python loop over *chunks* of ``chunk_size`` rounds.
+Each chunk is one jitted ``lax.scan`` of ``algorithm.round``, compiled once (ahead of
+time) and reused for every chunk, so between chunks the driver can draw a progress bar,
+evaluate user metrics, check for NaN/inf and write a checkpoint without recompiling.
+
+The last chunk may hold fewer than ``chunk_size`` rounds. Rather than compiling a
+second, shorter scan, every chunk runs the same executable with a *number of active
+rounds*: round ``i`` of the chunk is skipped (``lax.cond``, the state passes through
+unchanged and the info slot is filled with zeros) when ``i >= num_active``. Skipped rounds
+cost nothing but a branch, there is exactly one compilation per run, and a resumed run
+executes the same program as an uninterrupted one, which is what makes resume
+bit-identical.
+
+Seeds and hyperparameter grids are one program as well: :func:`vmap_algorithm` turns an
+algorithm factory into an :class:`~karula_jax.algorithms.base.Algorithm` over a batch of
+runs (leading axes ``[S]`` seeds and optionally ``[G]`` grid points), which the same
+driver runs (:func:`run_many`). For hand-written experiments :func:`scan_rounds` is the
+pure building block to ``jax.vmap`` yourself.
+
+Checkpoints are ``.npz`` files (no pickle): the state's leaves, the round-info and metric
+histories, and a JSON header with the tree structure, shapes and dtypes, written to a
+temporary file and moved into place with ``os.replace`` so a killed run never leaves a
+torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "RunResult",
+    "client_mesh",
+    "load_checkpoint",
+    "product_grid",
+    "run",
+    "run_many",
+    "save_checkpoint",
+    "scan_rounds",
+    "shard_leading_axis",
+    "vmap_algorithm",
+]
+
+CHECKPOINT_NAME = "checkpoint.npz"
+_FORMAT = "karula_jax.training.checkpoint/1"
+
+EvalFn = Callable[[Any, Any], Mapping[str, Any]]
+
+
+class RunResult(NamedTuple):
+    """Outcome of :func:`run` (host-side numpy histories).
+
+    Attributes:
+      state: final :class:`FedState` (device arrays).
+      info: :class:`RoundInfo` of every round run so far, each leaf stacked with a leading
+        round axis ``[num_rounds, ...]`` (``participants`` is ``[num_rounds, n]``; for
+        batched runs the batch axes follow the round axis).
+      metrics: dict name -> array ``[num_evals, ...]``, the values returned by ``eval_fn``.
+      metric_rounds: int array ``[num_evals]``: number of rounds completed when each
+        evaluation was taken (0 = the initial models).
+      timings: seconds spent compiling the chunk (``compile_s``; near 0 when an earlier
+        ``run`` with the same algorithm object compiled it already), in compiled chunks
+        (``run_s``), evaluating (``eval_s``), checkpointing (``checkpoint_s``), in total
+        (``total_s``), and ``rounds_per_s`` = rounds run / ``run_s``. Only this call's
+        work is counted (a resumed run does not inherit the killed run's times).
+      nonfinite_round: first round (0-based) whose info reported a non-finite value when
+        ``on_nonfinite="record"``; ``None`` if every round was finite.
+    """
+
+    state: FedState
+    info: RoundInfo  # leaves [num_rounds, ...]
+    metrics: dict[str, np.ndarray]  # name -> [num_evals, ...]
+    metric_rounds: np.ndarray  # [num_evals] int64
+    timings: dict[str, float]
+    nonfinite_round: int | None = None
+
+
+# --------------------------------------------------------------------------- pure core
+
+
+def scan_rounds(
+    algorithm: Algorithm, state: FedState, data: Any, num_rounds: int
+) -> tuple[FedState, RoundInfo]:
+    """Runs ``num_rounds`` rounds as one ``lax.scan`` (pure; jit/vmap it yourself).
+
+    Args:
+      algorithm: the federated algorithm.
+      state: its state, e.g. ``algorithm.init(params, data, key=key)``.
+      data: the clients' data (a ``ClientData`` or whatever ``algorithm.round`` takes).
+      num_rounds: static Python int >= 1.
+
+    Returns:
+      ``(state, info)`` where each leaf of ``info`` has a leading axis ``[num_rounds]``.
+
+    Example (10 seeds as one program)::
+
+        def one_seed(key):
+            state = algorithm.init(params, data, key=key)
+            return scan_rounds(algorithm, state, data, 100)
+
+        states, infos = jax.jit(jax.vmap(one_seed))(jax.random.split(key, 10))
+    """
+    num_rounds = _check_positive_int("num_rounds", num_rounds)
+
+    def body(st, _):
+        return algorithm.round(st, data)
+
+    return lax.scan(body, state, None, length=num_rounds)
+
+
+def _masked_chunk(algorithm: Algorithm, chunk_size: int):
+    """A chunk of ``chunk_size`` scan steps of which only the first ``num_active`` run."""
+    round_fn = jax.jit(algorithm.round)
+
+    def chunk(state, data, num_active):
+        # Shapes of the info come from the traced round; jit's trace cache makes the
+        # scan below reuse that trace, so the round is traced exactly once.
+        info_shape = jax.eval_shape(round_fn, state, data)[1]
+
+        def skip(st):
+            return st, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
+
+        def body(st, i):
+            return lax.cond(i < num_active, lambda s: round_fn(s, data), skip, st)
+
+        return lax.scan(body, state, jnp.arange(chunk_size, dtype=jnp.int32))
+
+    return chunk
+
+
+# The jitted programs are cached per algorithm object (its functions are hashed by
+# identity), so repeated ``run`` calls with the same algorithm, e.g. one per seed, reuse
+# the traces and executables instead of compiling again.
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_init(algorithm: Algorithm):
+    return jax.jit(algorithm.init)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_chunk(algorithm: Algorithm, chunk_size: int):
+    return jax.jit(_masked_chunk(algorithm, chunk_size), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_eval(algorithm: Algorithm, eval_fn: EvalFn):
+    return jax.jit(lambda st, d, ed: eval_fn(algorithm.client_params(st, d), ed))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive Python int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _leaf_spec(x) -> dict:
+    if _is_key(x):
+        return {
+            "shape": list(x.shape),
+            "dtype": str(x.dtype),
+            "key_impl": str(jax.random.key_impl(x)),
+        }
+    return {"shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype), "key_impl": None}
+
+
+def _spec_of_struct(s) -> dict:
+    """Leaf spec of a ``ShapeDtypeStruct`` (from ``jax.eval_shape``)."""
+    if _is_key(s):
+        return {"shape": list(s.shape), "dtype": str(s.dtype), "key_impl": "?"}
+    return {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype)), "key_impl": None}
+
+
+def _key_fingerprint(key) -> list:
+    data = jax.random.key_data(key) if _is_key(key) else key
+    return np.asarray(jax.device_get(data)).ravel().tolist()
+
+
+def _data_fingerprint(data) -> str:
+    """Shapes and dtypes of every data leaf plus a hash of small integer leaves (counts)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(data):
+        a = np.asarray(jax.device_get(leaf))
+        h.update(f"{a.shape}{a.dtype}".encode())
+        if np.issubdtype(a.dtype, np.integer) and a.size <= 1_000_000:
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    state: Any,
+    *,
+    rounds_done: int,
+    info: RoundInfo | None = None,
+    metrics: Mapping[str, np.ndarray] | None = None,
+    metric_rounds: np.ndarray | None = None,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> None:
+    """Writes a state pytree and histories to ``path`` (``.npz``, no pickle), atomically.
+
+    Args:
+      path: destination file.
+      state: any pytree of arrays (typed PRNG keys are stored as their key data).
+      rounds_done: rounds completed by ``state``.
+      info: round-info history (leaves ``[rounds_done, ...]``) or ``None``.
+      metrics: metric history, name -> ``[num_evals, ...]``.
+      metric_rounds: ``[num_evals]`` rounds at which metrics were taken.
+      extra_meta: JSON-serializable values stored in the header.
+    """
+    path = os.fspath(path)
+    leaves, treedef = jax.tree.flatten(state)
+    leaves = jax.device_get(leaves)
+    arrays: dict[str, np.ndarray] = {}
+    specs = []
+    for i, leaf in enumerate(leaves):
+        specs.append(_leaf_spec(leaf))
+        value = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+        arrays[f"state_{i:04d}"] = np.asarray(jax.device_get(value))
+    if info is not None:
+        for name, value in zip(RoundInfo._fields, info, strict=True):
+            arrays[f"info_{name}"] = np.asarray(value)
+    metrics = dict(metrics or {})
+    names = sorted(metrics)
+    for i, name in enumerate(names):
+        arrays[f"metric_{i:04d}"] = np.asarray(metrics[name])
+    if metric_rounds is not None:
+        arrays["metric_rounds"] = np.asarray(metric_rounds, dtype=np.int64)
+    meta = {
+        "format": _FORMAT,
+        "rounds_done": int(rounds_done),
+        "treedef": str(treedef),
+        "leaves": specs,
+        "has_info": info is not None,
+        "metric_names": names,
+        **dict(extra_meta or {}),
+    }
+    arrays["meta"] = np.array(json.dumps(meta))
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict]:
+    """Reads a checkpoint written by :func:`save_checkpoint` into the structure of ``like``.
+
+    Args:
+      path: the ``.npz`` file.
+      like: a pytree with the expected structure: arrays or ``jax.ShapeDtypeStruct``
+        (e.g. from ``jax.eval_shape(algorithm.init, ...)``).
+
+    Returns:
+      ``(state, histories, meta)``: ``state`` has the structure of ``like`` (leaves as jax
+      arrays); ``histories`` holds ``info`` (a :class:`RoundInfo` of numpy arrays, or
+      ``None``), ``metrics`` and ``metric_rounds``; ``meta`` is the JSON header.
+
+    Raises:
+      FileNotFoundError: if ``path`` does not exist.
+      ValueError: if the file is not such a checkpoint or its structure, shapes or dtypes
+        differ from ``like``.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    with np.load(path, allow_pickle=False) as z:
+        files = {k: z[k] for k in z.files}
+    if "meta" not in files:
+        raise ValueError(f"{path} is not a karula_jax checkpoint (no 'meta' entry)")
+    meta = json.loads(str(files["meta"]))
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    like_leaves, treedef = jax.tree.flatten(like)
+    if meta["treedef"] != str(treedef):
+        raise ValueError(
+            f"checkpoint {path} holds a state of a different structure:\n"
+            f"  checkpoint: {meta['treedef']}\n  expected:   {treedef}"
+        )
+    leaves = []
+    for i, (spec, ref) in enumerate(zip(meta["leaves"], like_leaves, strict=True)):
+        want = _spec_of_struct(ref)
+        if spec["shape"] != want["shape"] or spec["dtype"] != want["dtype"]:
+            raise ValueError(
+                f"checkpoint {path}: state leaf {i} has shape {tuple(spec['shape'])} and dtype "
+                f"{spec['dtype']}, expected shape {tuple(want['shape'])} and dtype {want['dtype']}"
+            )
+        value = files[f"state_{i:04d}"]
+        if spec["key_impl"] is not None:
+            leaves.append(jax.random.wrap_key_data(jnp.asarray(value), impl=spec["key_impl"]))
+        else:
+            leaves.append(jnp.asarray(value))
+    state = jax.tree.unflatten(treedef, leaves)
+    info = None
+    if meta["has_info"]:
+        info = RoundInfo(*(files[f"info_{name}"] for name in RoundInfo._fields))
+    metrics = {name: files[f"metric_{i:04d}"] for i, name in enumerate(meta["metric_names"])}
+    metric_rounds = files.get("metric_rounds", np.zeros((0,), np.int64))
+    histories = {"info": info, "metrics": metrics, "metric_rounds": metric_rounds}
+    return state, histories, meta
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
+    """A 1-D device mesh for the client axis (DESIGN §8).
+
+    Args:
+      devices: devices to use; all of ``jax.devices()`` by default.
+      axis_name: name of the mesh axis.
+
+    Returns:
+      A :class:`jax.sharding.Mesh` with one axis of length ``len(devices)``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must be a non-empty sequence of jax devices")
+    return Mesh(np.array(devices), (axis_name,))
+
+
+def shard_leading_axis(tree: Any, mesh: Mesh) -> Any:
+    """Places every leaf of ``tree`` on ``mesh``, split along its leading axis.
+
+    A leaf whose leading dimension is divisible by the mesh size is split in equal blocks
+    (``NamedSharding(mesh, P(axis))``); scalars and other leaves are replicated. For a
+    single run the leading axis of ``FedState.params``/``memory`` and of ``ClientData``
+    is the client axis, so clients are spread over devices and XLA inserts the
+    collectives that cross-client steps (averaging, projection) need. For batched runs
+    (:func:`run_many`) the leading axis is the seed axis, which needs no communication.
+    Sharding never changes what is computed, only where.
+
+    Args:
+      tree: pytree of arrays.
+      mesh: 1-D mesh, e.g. from :func:`client_mesh`.
+
+    Returns:
+      The tree with leaves as sharded ``jax.Array``s.
+    """
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"mesh must be 1-D, got axes {mesh.axis_names}")
+    (axis,) = mesh.axis_names
+    size = mesh.devices.size
+    split = NamedSharding(mesh, PartitionSpec(axis))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        shape = np.shape(x)
+        target = split if len(shape) >= 1 and shape[0] % size == 0 else replicated
+        return jax.device_put(x, target)
+
+    return jax.tree.map(place, tree)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """tqdm when installed, otherwise one plain line on stderr per chunk."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.enabled = enabled
+        self.total = total
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm  # optional dependency
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            self.bar = tqdm(total=total, initial=initial, unit="round", file=sys.stderr)
+
+    def update(self, done: int, step: int, rate: float, values: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        text = " ".join(f"{k}={v:.4g}" for k, v in values.items())
+        if self.bar is not None:
+            self.bar.update(step)
+            self.bar.set_postfix_str(text)
+        else:
+            width = len(str(self.total))
+            print(
+                f"[karula_jax] round {done:>{width}}/{self.total} "
+                f"({100.0 * done / self.total:5.1f}%) {rate:8.1f} rounds/s {text}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _scalar_summary(info_last: RoundInfo, metrics: Mapping[str, np.ndarray]) -> dict:
+    out = {"loss": float(np.mean(info_last.loss))}
+    for name, value in metrics.items():
+        out[name] = float(np.mean(value))  # per-client (and per-run) metrics: their mean
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _stack_infos(parts: list[RoundInfo]) -> RoundInfo:
+    return RoundInfo(*(np.concatenate(f, axis=0) for f in zip(*parts, strict=True)))
+
+
+def _stack_metrics(history: list[dict]) -> dict[str, np.ndarray]:
+    if not history:
+        return {}
+    return {k: np.stack([h[k] for h in history]) for k in history[0]}
+
+
+def _check_metrics(out: Any) -> dict[str, np.ndarray]:
+    if not isinstance(out, Mapping):
+        raise TypeError(f"eval_fn must return a dict of arrays, got {type(out).__name__}")
+    for k in out:
+        if not isinstance(k, str):
+            raise TypeError(f"eval_fn must return a dict with str keys, got key {k!r}")
+    return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
+
+
+def run(
+    algorithm: Algorithm,
+    params: Any,
+    data: Any,
+    *,
+    key: jax.Array,
+    num_rounds: int,
+    chunk_size: int = 50,
+    eval_fn: EvalFn | None = None,
+    eval_data: Any = None,
+    eval_every_chunk: bool = True,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    on_nonfinite: str = "raise",
+    mesh: Mesh | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """Runs ``num_rounds`` rounds of ``algorithm`` as a loop over compiled chunks.
+
+    The chunk program (a ``lax.scan`` over ``chunk_size`` rounds, state buffers donated) is
+    compiled once; the final chunk runs the same program with its trailing rounds masked
+    (see the module docstring). After every chunk the driver checks the rounds' ``finite``
+    flags, evaluates metrics, writes a checkpoint and updates the progress bar.
+
+    Args:
+      algorithm: an :class:`Algorithm` (``init``, ``round``, ``client_params``).
+      params: one model (pytree) every client starts from.
+      data: the clients' training data, passed to ``init``/``round``/``client_params``.
+      key: PRNG key of the run (for :func:`run_many`, the stacked seed keys).
+      num_rounds: total number of rounds (>= 1), counting rounds done before a resume.
+      chunk_size: rounds per compiled chunk (>= 1).
+      eval_fn: ``eval_fn(client_params, eval_data) -> dict[str, array]`` where
+        ``client_params`` has leaves ``[n, ...]``; traced and jitted once. Evaluated on
+        the initial models and after every chunk (or only at the end when
+        ``eval_every_chunk`` is False).
+      eval_data: second argument of ``eval_fn`` (e.g. ``(train, test)``); defaults to
+        ``data``.
+      eval_every_chunk: evaluate after every chunk (True) or only at start and end.
+      checkpoint_dir: if given, ``<checkpoint_dir>/checkpoint.npz`` is rewritten
+        atomically after every chunk.
+      resume: continue from the checkpoint in ``checkpoint_dir`` instead of calling
+        ``init``; with the same ``chunk_size`` the result is bit-identical to an
+        uninterrupted run. If the checkpoint already holds ``num_rounds`` rounds it is
+        returned as is.
+      on_nonfinite: ``"raise"`` (default): after a chunk in which some round reported
+        ``finite=False``, raise :class:`FloatingPointError` naming the first such round
+        (no checkpoint is written for that chunk; the exception's ``result`` attribute
+        holds the history up to and including it). ``"record"``: keep going and report the
+        first such round in :attr:`RunResult.nonfinite_round` (for grids where some
+        settings are expected to diverge).
+      mesh: if given, state and data are placed with :func:`shard_leading_axis`.
+      progress: show a progress bar (tqdm if installed, else lines on stderr).
+
+    Returns:
+      A :class:`RunResult`.
+
+    Raises:
+      ValueError: bad ``num_rounds``/``chunk_size``/``on_nonfinite``, ``resume`` without a
+        checkpoint, or a checkpoint whose structure, key or data differ from this run.
+      TypeError: non-integer sizes, or ``eval_fn`` not returning a dict.
+      FloatingPointError: a round produced NaN/inf and ``on_nonfinite="raise"``.
+    """
+    t_start = time.perf_counter()
+    num_rounds = _check_positive_int("num_rounds", num_rounds)
+    chunk_size = _check_positive_int("chunk_size", chunk_size)
+    if on_nonfinite not in ("raise", "record"):
+        raise ValueError(f"on_nonfinite must be 'raise' or 'record', got {on_nonfinite!r}")
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError(f"algorithm must be an Algorithm, got {type(algorithm).__name__}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir (where the checkpoint lives)")
+    ckpt_path = None if checkpoint_dir is None else os.path.join(checkpoint_dir, CHECKPOINT_NAME)
+    if eval_data is None:
+        eval_data = data
+    if mesh is not None:
+        data = shard_leading_axis(data, mesh)
+        eval_data = shard_leading_axis(eval_data, mesh)
+
+    init = _jitted_init(algorithm)
+    key_print = _key_fingerprint(key)
+    data_print = _data_fingerprint(data)
+    ckpt_meta = {"key": key_print, "data": data_print, "chunk_size": chunk_size}
+
+    info_parts: list[RoundInfo] = []
+    metric_history: list[dict] = []
+    metric_rounds: list[int] = []
+    if resume:
+        if not os.path.isfile(ckpt_path):
+            raise ValueError(f"resume=True but there is no checkpoint at {ckpt_path}")
+        template = jax.eval_shape(init, params, data, key=key)
+        state, hist, meta = load_checkpoint(ckpt_path, template)
+        if meta.get("key") != key_print:
+            raise ValueError(
+                f"checkpoint {ckpt_path} was written by a run with a different key; "
+                "pass the key of the run being resumed"
+            )
+        if meta.get("data") != data_print:
+            raise ValueError(
+                f"checkpoint {ckpt_path} was written for data of different shapes or counts"
+            )
+        done = int(meta["rounds_done"])
+        if done > num_rounds:
+            raise ValueError(
+                f"checkpoint {ckpt_path} already holds {done} rounds, more than "
+                f"num_rounds={num_rounds}"
+            )
+        if hist["info"] is not None and done > 0:
+            info_parts.append(hist["info"])
+        for i, r in enumerate(hist["metric_rounds"]):
+            metric_history.append({k: v[i] for k, v in hist["metrics"].items()})
+            metric_rounds.append(int(r))
+    else:
+        state = init(params, data, key=key)
+        done = 0
+    inherited = sum(p.loss.shape[0] for p in info_parts)  # rounds from the checkpoint
+    # Private copies: jit may forward input arrays (e.g. the key) into the state, and the
+    # chunk donates the state's buffers.
+    state = jax.tree.map(lambda x: x.copy(), state)
+    if mesh is not None:
+        state = shard_leading_axis(state, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    timings = {"compile_s": 0.0, "run_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+
+    eval_jit = None
+    if eval_fn is not None:
+        eval_jit = _jitted_eval(algorithm, eval_fn)
+
+    def evaluate(st, rounds):
+        t0 = time.perf_counter()
+        out = _check_metrics(eval_jit(st, data, eval_data))
+        if metric_history and set(out) != set(metric_history[0]):
+            raise ValueError(
+                f"eval_fn returned metrics {sorted(out)}, earlier evaluations (or the "
+                f"checkpoint) have {sorted(metric_history[0])}"
+            )
+        metric_history.append(out)
+        metric_rounds.append(rounds)
+        timings["eval_s"] += time.perf_counter() - t0
+        return out
+
+    if eval_jit is not None and not metric_rounds:
+        evaluate(state, done)
+
+    def result(nonfinite=None):
+        info = _stack_infos(info_parts) if info_parts else None
+        timings["total_s"] = time.perf_counter() - t_start
+        ran = sum(p.loss.shape[0] for p in info_parts) - inherited
+        timings["rounds_per_s"] = ran / timings["run_s"] if timings["run_s"] > 0 else math.nan
+        return RunResult(
+            state=state,
+            info=info,
+            metrics=_stack_metrics(metric_history),
+            metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
+            timings=dict(timings),
+            nonfinite_round=nonfinite,
+        )
+
+    if done == num_rounds:
+        return result()
+
+    t0 = time.perf_counter()
+    compiled = (
+        _jitted_chunk(algorithm, chunk_size).lower(state, data, jnp.int32(chunk_size)).compile()
+    )
+    timings["compile_s"] = time.perf_counter() - t0
+
+    bar = _Progress(num_rounds, done, progress)
+    first_bad: int | None = None
+    try:
+        while done < num_rounds:
+            active = min(chunk_size, num_rounds - done)
+            t0 = time.perf_counter()
+            state, info = compiled(state, data, jnp.int32(active))
+            info = RoundInfo(*(np.asarray(a)[:active] for a in jax.device_get(info)))
+            dt = time.perf_counter() - t0
+            timings["run_s"] += dt
+            state = jax.device_put(state, shardings)  # keep the compiled input placement
+            ok = np.asarray(info.finite).reshape(active, -1).all(axis=1)
+            if not ok.all():
+                bad = int(np.argmin(ok))
+                if first_bad is None:
+                    first_bad = done + bad
+                if on_nonfinite == "raise":
+                    info_parts.append(RoundInfo(*(a[: bad + 1] for a in info)))
+                    members = np.argwhere(~np.asarray(info.finite[bad]).reshape(-1)).ravel()
+                    which = (
+                        f" (batch members {members[:8].tolist()} in flattened order)"
+                        if np.ndim(info.finite[bad]) > 0
+                        else ""
+                    )
+                    last = "none" if ckpt_path is None else f"{done} rounds in {ckpt_path}"
+                    err = FloatingPointError(
+                        f"round {done + bad} (0-based; {done + bad + 1} rounds started) "
+                        f"produced a non-finite loss, gradient or parameter{which}. Run "
+                        f"stopped; last good checkpoint: {last}. Lower the step size or "
+                        "check the loss function."
+                    )
+                    err.result = result(first_bad)
+                    raise err
+            info_parts.append(info)
+            done += active
+            last_metrics = {}
+            if eval_jit is not None and (eval_every_chunk or done == num_rounds):
+                last_metrics = evaluate(state, done)
+            if ckpt_path is not None:
+                t1 = time.perf_counter()
+                save_checkpoint(
+                    ckpt_path,
+                    state,
+                    rounds_done=done,
+                    info=_stack_infos(info_parts),
+                    metrics=_stack_metrics(metric_history),
+                    metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
+                    extra_meta=ckpt_meta,
+                )
+                timings["checkpoint_s"] += time.perf_counter() - t1
+            last_info = RoundInfo(*(a[-1] for a in info))
+            bar.update(done, active, active / dt, _scalar_summary(last_info, last_metrics))
+    finally:
+        bar.close()
+    return result(first_bad)
+
+
+# --------------------------------------------------------------------------- batches of runs
+
+
+def product_grid(**axes) -> dict[str, np.ndarray]:
+    """Cartesian product of hyperparameter values, flattened to one grid axis ``[G]``.
+
+    ``product_grid(t=[0, 1], eta=[0.1, 0.2, 0.3])`` gives ``t`` and ``eta`` of length 6,
+    ``t`` varying slowest (``np.meshgrid(..., indexing="ij")`` order).
+    """
+    if not axes:
+        raise ValueError("product_grid needs at least one hyperparameter")
+    values = [np.asarray(v) for v in axes.values()]
+    for name, v in zip(axes, values, strict=True):
+        if v.ndim != 1 or v.size == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {v.shape}")
+    mesh = np.meshgrid(*values, indexing="ij")
+    return {name: m.reshape(-1) for name, m in zip(axes, mesh, strict=True)}
+
+
+def _check_hyper(hyper: Mapping[str, Any] | None) -> tuple[dict[str, jnp.ndarray], int | None]:
+    if hyper is None:
+        return {}, None
+    if not isinstance(hyper, Mapping) or not hyper:
+        raise TypeError("hyper must be a non-empty dict name -> 1-D array of grid values")
+    out, sizes = {}, set()
+    for name, v in hyper.items():
+        a = np.asarray(v)
+        if a.ndim != 1 or a.size == 0:
+            raise ValueError(f"hyper[{name!r}] must be a non-empty 1-D array, got shape {a.shape}")
+        sizes.add(a.size)
+        out[name] = jnp.asarray(a)
+    if len(sizes) != 1:
+        raise ValueError(f"all hyper arrays must have the same length, got lengths {sorted(sizes)}")
+    return out, sizes.pop()
+
+
+def vmap_algorithm(
+    make_algorithm: Callable[..., Algorithm],
+    hyper: Mapping[str, Any] | None = None,
+    *,
+    data_per_seed: bool = False,
+) -> Algorithm:
+    """A batch of runs (seeds x grid points) as one :class:`Algorithm`.
+
+    ``make_algorithm(**h)`` is called *inside* ``jax.vmap`` with ``h`` holding traced
+    scalars, one value of every ``hyper`` array, so hyperparameters that enter only
+    arithmetic (t, step sizes, penalties) can be gridded; structural ones (number of
+    participants, batch size, local steps) must be closed over instead.
+
+    The returned algorithm's state has leading axes ``[S, G, ...]`` (``[S, ...]`` without
+    ``hyper``): ``init(params, data, key=keys)`` takes stacked keys ``[S]`` and every grid
+    point of seed ``s`` starts from ``keys[s]`` (common random numbers, so grid points are
+    compared on the same participation draws and minibatches). ``client_params`` returns
+    leaves ``[S, G, n, ...]`` and RoundInfo leaves are ``[S, G, ...]``.
+
+    Args:
+      make_algorithm: factory ``make_algorithm(**hyper_values) -> Algorithm``.
+      hyper: dict name -> array ``[G]`` of grid values (see :func:`product_grid`).
+      data_per_seed: if True, ``data`` carries a leading seed axis ``[S, ...]`` (one data
+        draw per seed); otherwise all runs share ``data``.
+
+    Returns:
+      The batched :class:`Algorithm`.
+    """
+    hyper, grid = _check_hyper(hyper)
+    d_axis = 0 if data_per_seed else None
+
+    def batched(method):
+        """``method(alg, state, data)`` vmapped over the grid (inner) and seeds (outer)."""
+
+        def per_seed(state_s, data_s):
+            if grid is None:
+                return method(make_algorithm(), state_s, data_s)
+            return jax.vmap(lambda h, st: method(make_algorithm(**h), st, data_s))(hyper, state_s)
+
+        return jax.vmap(per_seed, in_axes=(0, d_axis))
+
+    def init(params, data, *, key):
+        # The key is batched over seeds only: every grid point of a seed shares it.
+        def per_seed(key_s, data_s):
+            if grid is None:
+                return make_algorithm().init(params, data_s, key=key_s)
+            return jax.vmap(lambda h: make_algorithm(**h).init(params, data_s, key=key_s))(hyper)
+
+        return jax.vmap(per_seed, in_axes=(0, d_axis))(key, data)
+
+    round_ = batched(lambda alg, st, d: alg.round(st, d))
+    client_params = batched(lambda alg, st, d: alg.client_params(st, d))
+    return Algorithm(init=init, round=round_, client_params=client_params)
+
+
+def run_many(
+    make_algorithm: Callable[..., Algorithm],
+    params: Any,
+    data: Any,
+    *,
+    keys: jax.Array,
+    num_rounds: int,
+    hyper: Mapping[str, Any] | None = None,
+    data_per_seed: bool = False,
+    eval_fn: EvalFn | None = None,
+    eval_data: Any = None,
+    eval_data_per_seed: bool | None = None,
+    **run_kwargs,
+) -> RunResult:
+    """Seeds x hyperparameter grid as one compiled program per chunk.
+
+    Equivalent to running ``run(make_algorithm(**h_g), params, data_s, key=keys[s], ...)``
+    for every seed ``s`` and grid point ``g``, but all of them are ``jax.vmap``-ed into
+    the chunk program (up to float rounding from batched kernels).
+
+    Args:
+      make_algorithm: ``make_algorithm(**hyper_values) -> Algorithm`` (see
+        :func:`vmap_algorithm` for which hyperparameters may be gridded).
+      params: one model every client of every run starts from.
+      data: shared ``ClientData``, or stacked ``[S, ...]`` if ``data_per_seed``.
+      keys: stacked keys ``[S]`` (``jax.random.split(key, S)``).
+      num_rounds: rounds per run.
+      hyper: dict name -> ``[G]`` values, or None for seeds only.
+      data_per_seed: ``data`` has a leading seed axis.
+      eval_fn: per-run ``eval_fn(client_params, eval_data) -> dict``; it is vmapped, so
+        metric arrays come back as ``[num_evals, S, G, ...]``.
+      eval_data: per-run evaluation data (default ``data``).
+      eval_data_per_seed: ``eval_data`` has a leading seed axis (default:
+        ``data_per_seed`` when ``eval_data`` is None... or given explicitly).
+      **run_kwargs: passed to :func:`run` (``chunk_size``, ``checkpoint_dir``, ``resume``,
+        ``on_nonfinite``, ``mesh``, ``progress``...).
+
+    Returns:
+      A :class:`RunResult` whose state leaves are ``[S, G, ...]``, info leaves
+      ``[num_rounds, S, G, ...]`` and metrics ``[num_evals, S, G, ...]`` (no ``G`` axis
+      without ``hyper``).
+    """
+    keys = jnp.asarray(keys) if not _is_key(keys) else keys
+    key_batch_ndim = 1 if _is_key(keys) else 2
+    if keys.ndim != key_batch_ndim:
+        raise ValueError(
+            f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"
+        )
+    num_seeds = keys.shape[0]
+    if data_per_seed:
+        lead = {np.shape(x)[0] for x in jax.tree.leaves(data)}
+        if lead != {num_seeds}:
+            raise ValueError(
+                f"data_per_seed=True needs every data leaf to have a leading axis of "
+                f"{num_seeds} seeds, got leading sizes {sorted(lead)}"
+            )
+    hyper_arrays, grid = _check_hyper(hyper)
+    algorithm = vmap_algorithm(make_algorithm, hyper, data_per_seed=data_per_seed)
+
+    batched_eval = None
+    if eval_fn is not None:
+        if eval_data is None:
+            eval_data = data
+            eval_data_per_seed = data_per_seed
+        e_axis = 0 if eval_data_per_seed else None
+        per_grid = eval_fn if grid is None else jax.vmap(eval_fn, in_axes=(0, None))
+        batched_eval = jax.vmap(per_grid, in_axes=(0, e_axis))
+    return run(
+        algorithm,
+        params,
+        data,
+        key=keys,
+        num_rounds=num_rounds,
+        eval_fn=batched_eval,
+        eval_data=eval_data,
+        **run_kwargs,
+    )

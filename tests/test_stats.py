@@ -1,0 +1,67 @@
+"""Mean +- 2 standard errors, checked against scipy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from karula_jax.stats import format_mean_se, mean_and_se, paired_difference, summarize
+
+
+def test_mean_and_se_matches_scipy_sem():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(10, 4, 3))
+    for axis in (0, 1, -1):
+        mean, band = mean_and_se(values, axis=axis)
+        np.testing.assert_allclose(mean, values.mean(axis=axis), rtol=1e-12)
+        np.testing.assert_allclose(band, 2 * sps.sem(values, axis=axis, ddof=1), rtol=1e-12)
+    mean, band = mean_and_se(jnp.asarray(values[:, 0, 0]), num_se=1.0)  # jax input too
+    np.testing.assert_allclose(band, sps.sem(values[:, 0, 0]), rtol=1e-6)
+
+
+def test_band_covers_true_mean_about_95_percent():
+    # Monte Carlo: for normal data the +-2 SE band contains the mean ~95% of the time
+    # (a t interval with 29 dof at +-2 has coverage 1 - 2 * sf(2, 29)).
+    rng = np.random.default_rng(1)
+    values = rng.normal(loc=3.0, size=(30, 4000))
+    mean, band = mean_and_se(values)
+    coverage = np.mean(np.abs(mean - 3.0) <= band)
+    expected = 1 - 2 * sps.t.sf(2.0, df=29)
+    assert abs(coverage - expected) < 0.015
+
+
+def test_ignore_nan_uses_finite_seeds_only():
+    values = np.array([[1.0, 2.0], [3.0, np.nan], [5.0, 4.0], [np.nan, 6.0]])
+    mean, band = mean_and_se(values, ignore_nan=True)
+    for j in range(2):
+        col = values[:, j][~np.isnan(values[:, j])]
+        np.testing.assert_allclose(mean[j], col.mean())
+        np.testing.assert_allclose(band[j], 2 * sps.sem(col))
+    assert np.isnan(mean_and_se(values)[0]).all()
+
+
+def test_paired_difference_and_summarize():
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=8) * 10
+    a, b = base + 1.0 + 0.1 * rng.normal(size=8), base
+    diff, band = paired_difference(a, b)
+    np.testing.assert_allclose(band, 2 * sps.sem(a - b))
+    assert band < mean_and_se(a)[1]  # pairing removes the shared seed variation
+    out = summarize({"acc": np.stack([a, b], 1)})
+    np.testing.assert_allclose(out["acc"]["mean"], [a.mean(), b.mean()])
+    assert format_mean_se(0.913, 0.0075, scale=100) == "91.30 ± 0.75"
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="at least 2 repetitions"):
+        mean_and_se(np.ones((1, 3)))
+    with pytest.raises(ValueError, match="at least one axis"):
+        mean_and_se(1.0)
+    with pytest.raises(ValueError, match="out of range"):
+        mean_and_se(np.ones((3, 2)), axis=2)
+    with pytest.raises(ValueError, match="same shape"):
+        paired_difference(np.ones(3), np.ones(4))
+    with pytest.raises(TypeError, match="numeric"):
+        mean_and_se(["a", "b"])
+    with pytest.raises(ValueError, match="num_se"):
+        mean_and_se(np.ones(3), num_se=-1)
