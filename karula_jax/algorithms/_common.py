@@ -1,0 +1,280 @@
+"""Machinery shared by every algorithm: sampling, minibatches, gathered gradients, checks.
+
+Conventions used throughout ``karula_jax.algorithms``:
+
+* Objective. ``f(theta) = (1/n) sum_i alpha_i f_i(theta_i)`` where ``f_i`` is the mean
+  loss over client ``i``'s real rows and ``alpha_i`` are the client weights
+  (``client_weights(counts)``: proportional to ``N_i``, mean 1, unless overridden).
+* Participation. Each round exactly ``s`` of the ``n`` clients are drawn uniformly
+  without replacement from ``fold_in(state.key, state.round)``; gradients are computed
+  only for them (gather ``s`` rows, vmap one client's kernel, scatter back).
+* Minibatches. ``B`` rows drawn without replacement among a client's own ``N_i`` real
+  rows; padding is never drawn. A client with ``N_i < B`` uses all its rows. When
+  ``B >= N_max`` every client uses all its rows: the gradient is exact and deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from karula_jax.data.clients import ClientData, client_weights
+
+__all__ = [
+    "all_finite",
+    "broadcast",
+    "check_clients_per_round",
+    "client_keys",
+    "check_nonnegative",
+    "check_positive_int",
+    "check_weights",
+    "client_batch",
+    "concrete",
+    "gather",
+    "local_sgd",
+    "participant_value_and_grads",
+    "resolve_weights",
+    "sample_participants",
+    "sample_rows",
+    "scale_rows",
+    "scatter",
+    "tree_sq_dist",
+    "weighted_mean",
+]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def concrete(x) -> np.ndarray | None:
+    """``x`` as a numpy array when it is a concrete value, ``None`` when it is traced."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
+    """Raises ValueError unless a concrete scalar ``value`` is >= 0 (skipped when traced)."""
+    v = concrete(value)
+    if v is None:
+        return
+    if v.ndim != 0 or not np.issubdtype(v.dtype, np.number):
+        raise ValueError(f"{name} must be a real scalar, got {value!r}")
+    v = float(v)
+    if np.isnan(v) or v < 0 or (np.isinf(v) and not allow_inf):
+        expected = ">= 0 (may be inf)" if allow_inf else "finite and >= 0"
+        raise ValueError(f"{name} must be {expected}, got {v}")
+
+
+def check_positive_int(name: str, value) -> int:
+    """A static positive int, else ValueError/TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_clients_per_round(s: int, n: int) -> None:
+    """``1 <= s <= n`` (``n`` is known only once data are seen)."""
+    if s > n:
+        raise ValueError(f"clients_per_round={s} exceeds the number of clients n={n}")
+
+
+def check_weights(weights, n: int | None = None) -> None:
+    """Client weights: shape ``[n]``, finite, >= 0, not all 0 (when concrete)."""
+    if weights is None:
+        return
+    w = concrete(weights)
+    if w is None:
+        return
+    if w.ndim != 1 or (n is not None and w.shape[0] != n):
+        want = f"[{n}]" if n is not None else "[n]"
+        raise ValueError(f"weights must have shape {want}, got {w.shape}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
+        raise ValueError("weights must be finite, >= 0 and not all zero")
+
+
+def resolve_weights(weights, data: ClientData) -> jnp.ndarray:
+    """``alpha`` of shape ``[n]``: the override, else ``client_weights(data.counts)``."""
+    if weights is None:
+        return client_weights(data.counts)
+    check_weights(weights, data.num_clients)
+    return jnp.asarray(weights, dtype=jnp.float32)
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def gather(tree: Any, idx: jnp.ndarray) -> Any:
+    """Rows ``idx`` of every leaf (leading client axis)."""
+    return jax.tree.map(lambda a: a[idx], tree)
+
+
+def scatter(tree: Any, idx: jnp.ndarray, rows: Any) -> Any:
+    """``tree`` with rows ``idx`` of every leaf replaced by ``rows``."""
+    return jax.tree.map(lambda a, b: a.at[idx].set(b.astype(a.dtype)), tree, rows)
+
+
+def all_finite(*trees: Any) -> jnp.ndarray:
+    """True iff every floating leaf of every tree is free of NaN/inf."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t)]
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def scale_rows(w: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
+    """``w[i] * a[i]`` for every row ``i`` of ``a`` (``w`` of shape ``[rows]``)."""
+    return (w.reshape((-1,) + (1,) * (a.ndim - 1)) * a).astype(a.dtype)
+
+
+def weighted_mean(tree: Any, w: jnp.ndarray) -> Any:
+    """``sum_i w_i tree[i] / sum_i w_i`` over the leading axis of every leaf."""
+    total = jnp.sum(w)
+    return jax.tree.map(lambda a: (jnp.tensordot(w, a, axes=1) / total).astype(a.dtype), tree)
+
+
+def broadcast(tree: Any, n: int) -> Any:
+    """Every leaf repeated along a new leading client axis of size ``n``."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
+
+
+def client_keys(key: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+    """``fold_in(key, i)`` for every ``i`` in ``idx``."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample_participants(key: jnp.ndarray, n: int, s: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Draws ``s`` of ``n`` clients uniformly without replacement.
+
+    Args:
+      key: PRNG key of the round.
+      n: number of clients (static).
+      s: number of participants (static), ``1 <= s <= n``.
+
+    Returns:
+      ``(mask, idx)``: boolean array of shape ``[n]`` with exactly ``s`` True entries,
+      and the int32 indices of the participants, shape ``[s]``.
+    """
+    if s == n:  # everyone: no randomness, and a fixed order keeps runs reproducible
+        idx = jnp.arange(n, dtype=jnp.int32)
+    else:
+        idx = jax.random.permutation(key, n)[:s].astype(jnp.int32)
+    mask = jnp.zeros((n,), bool).at[idx].set(True)
+    return mask, idx
+
+
+def sample_rows(key, count, max_count: int, batch_size: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Draws ``B`` rows without replacement among one client's ``count`` real rows.
+
+    Padding rows get key ``+inf`` so that they come after every real row in the
+    ordering; the first ``min(B, count)`` picks are therefore real and distinct.
+
+    Args:
+      key: PRNG key of this client and step.
+      count: number of real rows ``N_i`` (int scalar, may be traced).
+      max_count: padded size ``N_max`` (static).
+      batch_size: ``B`` (static).
+
+    Returns:
+      ``(rows, mask)``: int32 indices of shape ``[min(B, N_max)]`` and a boolean mask of
+      the same shape, True on the ``min(B, N_i)`` rows that enter the loss.
+    """
+    if batch_size >= max_count:  # full batch: all real rows, deterministic
+        rows = jnp.arange(max_count, dtype=jnp.int32)
+        return rows, rows < count
+    u = jax.random.uniform(key, (max_count,))
+    u = jnp.where(jnp.arange(max_count) < count, u, jnp.inf)
+    _, rows = lax.top_k(-u, batch_size)
+    mask = jnp.arange(batch_size) < jnp.minimum(batch_size, count)
+    return rows.astype(jnp.int32), mask
+
+
+def client_batch(key, x, y, count, batch_size):
+    """One client's minibatch ``(x_b, y_b, mask_b)`` (see :func:`sample_rows`).
+
+    Rows outside the mask are filled with a copy of the client's first real row, so
+    padding values never reach the user's loss, even masked (a loss that multiplies
+    by the mask would otherwise turn inf padding into NaN).
+    """
+    max_count = x.shape[0]
+    if batch_size >= max_count:
+        rows, mask = jnp.arange(max_count), jnp.arange(max_count) < count
+    else:
+        rows, mask = sample_rows(key, count, max_count, batch_size)
+    rows = jnp.where(mask, rows, 0)
+    return x[rows], y[rows], mask
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _client_value_and_grad(loss, batch_size, params, x, y, count, key):
+    xb, yb, mb = client_batch(key, x, y, count, batch_size)
+    return jax.value_and_grad(loss)(params, xb, yb, mb)
+
+
+def participant_value_and_grads(
+    loss, params: Any, data: ClientData, idx: jnp.ndarray, key: jnp.ndarray, batch_size: int
+) -> tuple[jnp.ndarray, Any]:
+    """Minibatch loss and gradient of ``f_i`` at ``params[i]`` for the clients ``idx``.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      params: client-stacked parameters, leaves ``[n, ...]``.
+      data: the clients' padded data.
+      idx: participants, int array of shape ``[s]``.
+      key: PRNG key of the round's minibatches (client ``i``: ``fold_in(key, i)``).
+      batch_size: ``B`` (static).
+
+    Returns:
+      ``(values, grads)``: losses of shape ``[s]`` and gradients with leaves ``[s, ...]``
+      (unweighted: gradients of ``f_i`` itself).
+    """
+    # Client i's minibatch uses fold_in(fold_in(key, i), 0): the same rows as step 0 of
+    # local_sgd(key=fold_in(key, i)), so FedAvg with E = 1 reproduces FedSGD exactly.
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(client_keys(key, idx))
+    kernel = jax.vmap(lambda p, x, y, c, k: _client_value_and_grad(loss, batch_size, p, x, y, c, k))
+    return kernel(gather(params, idx), data.x[idx], data.y[idx], data.counts[idx], keys)
+
+
+def local_sgd(loss, params: Any, x, y, count, key, *, steps: int, learning_rate, batch_size: int):
+    """``steps`` SGD steps on one client's mean loss, a fresh minibatch each step.
+
+    Args:
+      loss: the user loss.
+      params: ONE client's model (no client axis).
+      x: features ``[N_max, ...]``; y: targets ``[N_max, ...]``; count: ``N_i``.
+      key: PRNG key; step ``e`` uses ``fold_in(key, e)``.
+      steps: number of steps ``E`` (static).
+      learning_rate: step size (may be traced).
+      batch_size: ``B`` (static).
+
+    Returns:
+      ``(params, first_loss)``: the model after ``E`` steps and the minibatch loss
+      before the first step.
+    """
+
+    def step(p, e):
+        xb, yb, mb = client_batch(jax.random.fold_in(key, e), x, y, count, batch_size)
+        value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
+        return jax.tree.map(lambda a, b: a - learning_rate * b, p, g), value
+
+    params, values = lax.scan(step, params, jnp.arange(steps))
+    return params, values[0]
+
+
+def tree_sq_dist(a: Any, b: Any) -> jnp.ndarray:
+    """``||a - b||^2`` summed over all leaves of two pytrees of the same structure."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return sum(jnp.sum((x - y) ** 2) for x, y in zip(la, lb, strict=True))

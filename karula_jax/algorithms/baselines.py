@@ -1,0 +1,282 @@
+"""Baselines on the Karula engine: Local, FedSGD and FedAvg.
+
+All three use the conventions of :mod:`karula_jax.algorithms._common` (participation,
+minibatches, weights ``alpha``). Global-model methods keep their model broadcast to
+``[n, ...]`` in ``state.params`` so that evaluation is the same for every method.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from karula_jax.algorithms import _common as C
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.data.clients import ClientData
+
+__all__ = ["fedavg", "fedsgd", "local"]
+
+
+def _info(values, a_s, mask, finite) -> RoundInfo:
+    return RoundInfo(
+        loss=C.weighted_mean(values, a_s),
+        participants=mask,
+        proj_delta=jnp.zeros((), jnp.float32),
+        proj_violation=jnp.zeros((), jnp.float32),
+        proj_iterations=jnp.zeros((), jnp.int32),
+        finite=finite,
+    )
+
+
+def _round_keys(state: FedState):
+    key = jax.random.fold_in(state.key, state.round)
+    return jax.random.split(key)
+
+
+def _start(params, n: int, key, memory=()) -> FedState:
+    return FedState(
+        params=C.broadcast(params, n),
+        memory=memory,
+        proj_state=(),
+        extra=(),
+        key=key,
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def _own_params(state: FedState, data: ClientData):
+    del data
+    return state.params
+
+
+def local(
+    loss: LossFn,
+    *,
+    learning_rate,
+    batch_size: int,
+    clients_per_round: int | None = None,
+    weights=None,
+) -> Algorithm:
+    """Local training: every client trains its own model, no communication.
+
+    Each round every participating client (all of them by default) takes one
+    gradient step on its share of the product objective ``f``::
+
+        theta_i <- theta_i - learning_rate * alpha_i * grad f_i(theta_i) / n
+
+    This normalization makes ``local`` equal to :func:`karula` at ``t = inf`` with
+    ``s = n`` at the same learning rate. (In terms of the client's own mean loss the
+    step is ``learning_rate * alpha_i / n``.)
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      learning_rate: ``>= 0``; may be traced.
+      batch_size: ``B`` (static); ``B >= N_max`` gives exact gradients.
+      clients_per_round: optional ``s``; only the ``s`` sampled clients step. ``None``:
+        all ``n`` clients every round.
+      weights: optional ``alpha`` of shape ``[n]``.
+
+    Returns:
+      An :class:`Algorithm`; ``client_params`` is each client's own model.
+    """
+    C.check_nonnegative("learning_rate", learning_rate)
+    B = C.check_positive_int("batch_size", batch_size)
+    if clients_per_round is not None:
+        C.check_positive_int("clients_per_round", clients_per_round)
+    C.check_weights(weights)
+
+    def _s(data):
+        s = data.num_clients if clients_per_round is None else clients_per_round
+        C.check_clients_per_round(s, data.num_clients)
+        return s
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        _s(data)
+        return _start(params, data.num_clients, key)
+
+    def round_fn(state: FedState, data: ClientData):
+        n, s = data.num_clients, _s(data)
+        alpha = C.resolve_weights(weights, data)
+        key_part, key_batch = _round_keys(state)
+        mask, idx = C.sample_participants(key_part, n, s)
+        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
+        a_s = alpha[idx]
+        rows = jax.tree.map(
+            lambda p, g: p - learning_rate * C.scale_rows(a_s / n, g),
+            C.gather(state.params, idx),
+            grads,
+        )
+        params = C.scatter(state.params, idx, rows)
+        info = _info(values, a_s, mask, C.all_finite(values, grads, params))
+        return state._replace(params=params, round=state.round + 1), info
+
+    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+
+
+def fedsgd(
+    loss: LossFn,
+    *,
+    learning_rate,
+    clients_per_round: int,
+    batch_size: int,
+    memory: bool = False,
+    weights=None,
+) -> Algorithm:
+    """FedSGD: one global model, one server gradient step per round.
+
+    Without memory the step is the ``alpha``-weighted average of the participants'
+    gradients (a gradient step on ``F(w) = (1/n) sum_i alpha_i f_i(w)`` when ``s = n``)::
+
+        w <- w - learning_rate * sum_{i in S} alpha_i g_i / sum_{i in S} alpha_i
+
+    With ``memory=True`` the direction is the SAGA estimate used by Karula, unbiased
+    for ``grad F(w)`` (memory ``m_i = alpha_i g_i`` from client i's last report)::
+
+        w <- w - learning_rate * (mean_i m_i + (1/s) sum_{i in S} (alpha_i g_i - m_i))
+
+    and :func:`karula` at ``t = 0`` with step ``eta`` equals this at
+    ``learning_rate = eta / n``.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      learning_rate: ``>= 0``; may be traced.
+      clients_per_round: ``s`` (static).
+      batch_size: ``B`` (static).
+      memory: use the SAGA-style gradient memory (filled at ``init`` with one gradient
+        per client).
+      weights: optional ``alpha`` of shape ``[n]``.
+
+    Returns:
+      An :class:`Algorithm`; ``state.params`` holds the global model broadcast to
+      ``[n, ...]``.
+    """
+    C.check_nonnegative("learning_rate", learning_rate)
+    s = C.check_positive_int("clients_per_round", clients_per_round)
+    B = C.check_positive_int("batch_size", batch_size)
+    C.check_weights(weights)
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        if not memory:
+            return _start(params, n, key)
+        key_init, key_run = jax.random.split(key)
+        theta = C.broadcast(params, n)
+        alpha = C.resolve_weights(weights, data)
+        everyone = jnp.arange(n, dtype=jnp.int32)
+        _, grads = C.participant_value_and_grads(loss, theta, data, everyone, key_init, B)
+        mem = jax.tree.map(lambda g: C.scale_rows(alpha, g), grads)
+        return _start(params, n, key_run, memory=mem)
+
+    def round_fn(state: FedState, data: ClientData):
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        alpha = C.resolve_weights(weights, data)
+        key_part, key_batch = _round_keys(state)
+        mask, idx = C.sample_participants(key_part, n, s)
+        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
+        a_s = alpha[idx]
+        w = jax.tree.map(lambda p: p[0], state.params)
+        mem = state.memory
+        if memory:
+            G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
+            m_s = C.gather(mem, idx)
+            direction = jax.tree.map(
+                lambda m, g, ms: jnp.mean(m, axis=0) + jnp.sum(g - ms, axis=0) / s, mem, G, m_s
+            )
+            mem = C.scatter(mem, idx, G)
+        else:
+            direction = C.weighted_mean(grads, a_s)
+        w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
+        params = C.broadcast(w, n)
+        info = _info(values, a_s, mask, C.all_finite(values, grads, w))
+        return state._replace(params=params, memory=mem, round=state.round + 1), info
+
+    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+
+
+def fedavg(
+    loss: LossFn,
+    *,
+    learning_rate,
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int = 5,
+    weights=None,
+    personalized: Any = None,
+) -> Algorithm:
+    """FedAvg: ``E`` local SGD steps per participant, then a weighted model average.
+
+    Each participant starts from the global model ``w`` and takes ``E = local_steps``
+    SGD steps on its own mean loss ``f_i`` (learning rate ``learning_rate``, a fresh
+    minibatch per step); the server replaces ``w`` by the average of the returned
+    models weighted by ``alpha_i`` (proportional to ``N_i``). With ``E = 1`` one
+    round equals :func:`fedsgd` (no memory) at the same learning rate. With ``E > 1``
+    and heterogeneous clients FedAvg's fixed point is NOT the minimizer of ``F``
+    (client drift).
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      learning_rate: local step size ``>= 0``; may be traced.
+      clients_per_round: ``s`` (static).
+      batch_size: ``B`` (static).
+      local_steps: ``E`` (static), default 5.
+      weights: optional ``alpha`` of shape ``[n]``.
+      personalized: optional pytree of bools like ``params``: True leaves are kept by
+        each client and never averaged (FedPer style). ``None``: nothing personalized.
+
+    Returns:
+      An :class:`Algorithm`; ``state.params`` holds each client's model (the global
+      model broadcast, plus personalized leaves when requested).
+    """
+    C.check_nonnegative("learning_rate", learning_rate)
+    s = C.check_positive_int("clients_per_round", clients_per_round)
+    B = C.check_positive_int("batch_size", batch_size)
+    E = C.check_positive_int("local_steps", local_steps)
+    C.check_weights(weights)
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        C.check_clients_per_round(s, data.num_clients)
+        return _start(params, data.num_clients, key)
+
+    def round_fn(state: FedState, data: ClientData):
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        alpha = C.resolve_weights(weights, data)
+        key_part, key_batch = _round_keys(state)
+        mask, idx = C.sample_participants(key_part, n, s)
+        rows, values = _local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
+        a_s = alpha[idx]
+        avg = C.weighted_mean(rows, a_s)
+        params = _aggregate(state.params, idx, rows, avg, personalized)
+        info = _info(values, a_s, mask, C.all_finite(values, rows))
+        return state._replace(params=params, round=state.round + 1), info
+
+    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+
+
+def _local_train(loss, params, data: ClientData, idx, key, steps, learning_rate, batch_size):
+    """Runs :func:`_common.local_sgd` for the participants ``idx`` from their rows."""
+    keys = C.client_keys(key, idx)
+
+    def one(p, x, y, c, k):
+        return C.local_sgd(
+            loss, p, x, y, c, k, steps=steps, learning_rate=learning_rate, batch_size=batch_size
+        )
+
+    return jax.vmap(one)(C.gather(params, idx), data.x[idx], data.y[idx], data.counts[idx], keys)
+
+
+def _aggregate(params, idx, rows, avg, personalized):
+    """Shared leaves: ``avg`` for everyone; personalized leaves: participants' rows."""
+    n = jax.tree.leaves(params)[0].shape[0]
+    if personalized is None:
+        return C.broadcast(avg, n)
+    flags = jax.tree.map(bool, personalized)
+
+    def leaf(flag, p, r, a):
+        return p.at[idx].set(r) if flag else jnp.broadcast_to(a, p.shape)
+
+    return jax.tree.map(leaf, flags, params, rows, avg)

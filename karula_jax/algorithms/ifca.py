@@ -1,0 +1,188 @@
+"""IFCA (Ghosh et al. 2020): k cluster models, each client joins the one that fits it best."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from karula_jax.algorithms import _common as C
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.algorithms.baselines import _local_train
+from karula_jax.data.clients import ClientData
+
+__all__ = ["IFCAState", "ifca", "ifca_assign"]
+
+
+class IFCAState(NamedTuple):
+    """``FedState.extra`` of :func:`ifca`.
+
+    Attributes:
+      clusters: the ``k`` cluster models, pytree with leaves ``[k, ...]``.
+      assignment: cluster each client chose when it last participated (at ``init``:
+        the best cluster on its full training data), int32 ``[n]``.
+    """
+
+    clusters: Any  # pytree, leaves [k, ...]
+    assignment: jnp.ndarray  # [n] int32
+
+
+def _cluster_losses(loss, clusters, x, y, mask):
+    """Loss of every cluster model on one client's rows: ``[k]``."""
+    return jax.vmap(lambda c: loss(c, x, y, mask))(clusters)
+
+
+def ifca_assign(loss: LossFn, clusters: Any, data: ClientData) -> jnp.ndarray:
+    """Best cluster of every client on its full training data.
+
+    Args:
+      loss: the user loss.
+      clusters: pytree with leaves ``[k, ...]``.
+      data: the clients' data.
+
+    Returns:
+      int32 array of shape ``[n]``: ``argmin_c f_i(clusters[c])`` (ties: lowest ``c``).
+    """
+    losses = jax.vmap(lambda x, y, m: _cluster_losses(loss, clusters, x, y, m))(
+        data.x, data.y, data.mask
+    )
+    return jnp.argmin(losses, axis=1).astype(jnp.int32)
+
+
+def ifca(
+    loss: LossFn,
+    *,
+    num_clusters: int,
+    learning_rate,
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int = 5,
+    init_scale: float = 0.1,
+    initial_clusters: Any = None,
+    weights=None,
+) -> Algorithm:
+    """IFCA with model averaging.
+
+    One round: each participant evaluates the ``k`` cluster models on the minibatch of
+    its first local step, picks the lowest loss, and runs ``E = local_steps`` SGD steps
+    from that model exactly as in :func:`fedavg`; the server replaces each cluster
+    model by the ``alpha``-weighted average of the models returned by the participants
+    that chose it. A cluster that no participant chose keeps its model. With ``k = 1``
+    IFCA equals :func:`fedavg` (same keys, same steps).
+
+    Initialization: cluster 0 is ``params``; cluster ``c >= 1`` is ``params`` plus
+    independent ``N(0, init_scale^2)`` noise on every entry (seeded by ``init``'s key),
+    unless ``initial_clusters`` is given.
+
+    Evaluation (``client_params``): each client uses the cluster model with the lowest
+    loss on its full training data (:func:`ifca_assign`). ``state.params`` holds, for
+    each client, the current model of the cluster it chose when it last participated.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      num_clusters: ``k >= 1`` (static).
+      learning_rate: local step size ``>= 0``; may be traced.
+      clients_per_round: ``s`` (static).
+      batch_size: ``B`` (static).
+      local_steps: ``E`` (static), default 5.
+      init_scale: standard deviation of the perturbation of clusters ``1..k-1``.
+      initial_clusters: optional pytree with leaves ``[k, ...]`` replacing the default
+        initialization.
+      weights: optional ``alpha`` of shape ``[n]``.
+
+    Returns:
+      An :class:`Algorithm` with ``state.extra`` an :class:`IFCAState`.
+    """
+    k = C.check_positive_int("num_clusters", num_clusters)
+    C.check_nonnegative("learning_rate", learning_rate)
+    s = C.check_positive_int("clients_per_round", clients_per_round)
+    B = C.check_positive_int("batch_size", batch_size)
+    E = C.check_positive_int("local_steps", local_steps)
+    C.check_nonnegative("init_scale", init_scale)
+    C.check_weights(weights)
+    if initial_clusters is not None:
+        for leaf in jax.tree.leaves(initial_clusters):
+            if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != k:
+                raise ValueError(
+                    f"initial_clusters leaves must have leading axis num_clusters={k}, "
+                    f"got shape {jnp.shape(leaf)}"
+                )
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        key_init, key_run = jax.random.split(key)
+        if initial_clusters is not None:
+            clusters = jax.tree.map(jnp.asarray, initial_clusters)
+        else:
+            leaves, treedef = jax.tree.flatten(params)
+            keys = jax.random.split(key_init, len(leaves))
+            noisy = []
+            for leaf, kk in zip(leaves, keys, strict=True):
+                leaf = jnp.asarray(leaf)
+                noise = init_scale * jax.random.normal(kk, (k, *leaf.shape), leaf.dtype)
+                noisy.append(leaf[None] + noise.at[0].set(0))
+            clusters = jax.tree.unflatten(treedef, noisy)
+        assignment = ifca_assign(loss, clusters, data)
+        return FedState(
+            params=C.gather(clusters, assignment),
+            memory=(),
+            proj_state=(),
+            extra=IFCAState(clusters=clusters, assignment=assignment),
+            key=key_run,
+            round=jnp.zeros((), jnp.int32),
+        )
+
+    def round_fn(state: FedState, data: ClientData):
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        alpha = C.resolve_weights(weights, data)
+        key = jax.random.fold_in(state.key, state.round)
+        key_part, key_batch = jax.random.split(key)
+        mask, idx = C.sample_participants(key_part, n, s)
+        clusters = state.extra.clusters
+
+        def choose(x, y, c, kk):
+            # The rows of local step 0, so the choice costs k losses on one minibatch.
+            xb, yb, mb = C.client_batch(jax.random.fold_in(kk, 0), x, y, c, B)
+            return jnp.argmin(_cluster_losses(loss, clusters, xb, yb, mb)).astype(jnp.int32)
+
+        keys = C.client_keys(key_batch, idx)
+        choice = jax.vmap(choose)(data.x[idx], data.y[idx], data.counts[idx], keys)
+        start = C.gather(clusters, choice)
+        start_full = C.scatter(state.params, idx, start)
+        rows, values = _local_train(loss, start_full, data, idx, key_batch, E, learning_rate, B)
+        a_s = alpha[idx]
+        W = jax.nn.one_hot(choice, k, dtype=jnp.float32) * a_s[:, None]  # [s, k]
+        total = jnp.sum(W, axis=0)  # [k]
+
+        def average(old, r):
+            new = jnp.tensordot(W, r, axes=(0, 0)) / jnp.maximum(total, 1e-30).reshape(
+                (k,) + (1,) * (r.ndim - 1)
+            )
+            keep = (total > 0).reshape((k,) + (1,) * (r.ndim - 1))
+            return jnp.where(keep, new.astype(old.dtype), old)
+
+        clusters = jax.tree.map(average, clusters, rows)
+        assignment = state.extra.assignment.at[idx].set(choice)
+        info = RoundInfo(
+            loss=C.weighted_mean(values, a_s),
+            participants=mask,
+            proj_delta=jnp.zeros((), jnp.float32),
+            proj_violation=jnp.zeros((), jnp.float32),
+            proj_iterations=jnp.zeros((), jnp.int32),
+            finite=C.all_finite(values, rows, clusters),
+        )
+        new_state = state._replace(
+            params=C.gather(clusters, assignment),
+            extra=IFCAState(clusters=clusters, assignment=assignment),
+            round=state.round + 1,
+        )
+        return new_state, info
+
+    def client_params(state: FedState, data: ClientData):
+        clusters = state.extra.clusters
+        return C.gather(clusters, ifca_assign(loss, clusters, data))
+
+    return Algorithm(init=init, round=round_fn, client_params=client_params)

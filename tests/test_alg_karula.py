@@ -1,0 +1,261 @@
+"""Karula: unbiased direction, t = 0 / t = inf reductions, cvxpy solution, traced t."""
+
+from __future__ import annotations
+
+import functools
+
+import cvxpy as cp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _alg_problems import (
+    DIM,
+    LAM,
+    LOSS,
+    N_CLIENTS,
+    alphas,
+    full_grads,
+    problem,
+    quadratics,
+    scan_run,
+    true_dissimilarity,
+    zeros,
+)
+
+from karula_jax.algorithms import fedsgd, karula, lipschitz_ridge, local
+
+FULL = 64  # >= N_max: exact gradients
+ROUNDS = 1000
+TRACES = {"run": 0}
+
+
+@functools.partial(jax.jit, static_argnames=("s",))
+def run_karula(D, t, eta, key, data, *, s):
+    """One compiled Karula run per participation size; D, t and eta are traced."""
+    TRACES["run"] += 1
+    alg = karula(LOSS, D, t=t, learning_rate=eta, clients_per_round=s, batch_size=FULL)
+    return scan_run(alg, zeros(), data, key, ROUNDS)
+
+
+def _eta(data) -> float:
+    return 3.0 / (8.0 * lipschitz_ridge(data, LAM))
+
+
+def _cvxpy_reference(data, D, t, shared_bias=False):
+    """``min (1/n) sum alpha_i f_i(theta_i)`` s.t. ``||theta_i - theta_j||^2 <= t D_ij``."""
+    A, b = quadratics(data)
+    a = alphas(data)
+    n = A.shape[0]
+    W = cp.Variable((n, DIM))
+    terms = []
+    if shared_bias:
+        # f_i with a shared intercept c: mean (x.w + c - y)^2 / 2 + lam/2 (||w||^2 + c^2)
+        c = cp.Variable()
+        x = np.asarray(data.x, np.float64)
+        y = np.asarray(data.y, np.float64)
+        for i, N in enumerate(np.asarray(data.counts)):
+            r = x[i, :N] @ W[i] + c - y[i, :N]
+            reg = LAM / 2 * (cp.sum_squares(W[i]) + cp.square(c))
+            terms.append(a[i] * (cp.sum_squares(r) / (2 * N) + reg))
+    else:
+        for i in range(n):
+            A_half = np.linalg.cholesky(A[i])
+            terms.append(a[i] * (0.5 * cp.sum_squares(A_half.T @ W[i]) - b[i] @ W[i]))
+    cons = [cp.sum_squares(W[i] - W[j]) <= t * D[i, j] for i in range(n) for j in range(i + 1, n)]
+    cp.Problem(cp.Minimize(sum(terms) / n), cons).solve(solver=cp.CLARABEL)
+    return (W.value, c.value) if shared_bias else W.value
+
+
+def test_direction_is_unbiased_monte_carlo():
+    """E over participation draws of nu_i equals alpha_i grad f_i(theta_i) / n.
+
+    One Karula round from a state whose memory holds gradients at OTHER parameters,
+    with D = inf (the projection is the identity), so nu = (theta - theta') / eta.
+    """
+    data = problem().train
+    n, s, draws, eta = N_CLIENTS, 2, 4000, 0.5
+    D = np.full((n, n), np.inf)
+    alg = karula(LOSS, D, t=1.0, learning_rate=eta, clients_per_round=s, batch_size=FULL)
+    state = alg.init(zeros(), data, key=jax.random.key(0))
+    theta1 = jax.random.normal(jax.random.key(1), (n, DIM))  # memory is from theta = 0
+    state = state._replace(params=theta1)
+
+    def nu(key):
+        new, _ = alg.round(state._replace(key=key), data)
+        return (state.params - new.params) / eta
+
+    samples = np.asarray(jax.jit(jax.vmap(nu))(jax.random.split(jax.random.key(2), draws)))
+    target = alphas(data)[:, None] * full_grads(data, theta1) / n
+    mean = samples.mean(0)
+    se = samples.std(0) / np.sqrt(draws)
+    assert np.all(se > 0) and se.max() > 1e-3  # the estimator really is random
+    assert np.all(np.abs(mean - target) <= 4.5 * se + 1e-6), (mean, target, se)
+    # The same test rejects the naive correction (G - m)/n (power check).
+    m0 = alphas(data)[:, None] * full_grads(data, np.zeros((n, DIM))) / n
+    naive = m0 + (s / n) * (target - m0)  # its exact expectation
+    assert np.max(np.abs(naive - mean) / (se + 1e-12)) > 10
+
+
+def test_t_zero_is_one_global_model_and_fedsgd_with_memory():
+    data = problem().train
+    n, s = N_CLIENTS, 2
+    eta = _eta(data)
+    key = jax.random.key(3)
+    D = np.full((n, n), np.inf)  # t = 0 wins over D = inf: one model
+    _, infos, traj = run_karula(D, 0.0, eta, key, data, s=s)
+    traj = np.asarray(traj)
+    assert np.max(np.abs(traj - traj[:, :1])) <= 1e-5 * (1 + np.abs(traj).max())
+    ref = fedsgd(LOSS, learning_rate=eta / n, clients_per_round=s, batch_size=FULL, memory=True)
+    _, ref_infos, ref_traj = jax.jit(scan_run, static_argnums=(0, 4))(
+        ref, zeros(), data, key, ROUNDS
+    )
+    np.testing.assert_array_equal(infos.participants, ref_infos.participants)
+    np.testing.assert_allclose(traj[:, 0], np.asarray(ref_traj)[:, 0], rtol=1e-4, atol=1e-5)
+    assert bool(jnp.all(infos.finite))
+
+
+def test_t_inf_is_local_training():
+    data = problem().train
+    n = N_CLIENTS
+    eta = _eta(data)
+    key = jax.random.key(4)
+    D = true_dissimilarity()
+    _, infos, traj = run_karula(D, np.inf, eta, key, data, s=n)
+    ref = local(LOSS, learning_rate=eta, batch_size=FULL)
+    _, _, ref_traj = jax.jit(scan_run, static_argnums=(0, 4))(ref, zeros(), data, key, ROUNDS)
+    np.testing.assert_allclose(np.asarray(traj), np.asarray(ref_traj), rtol=1e-5, atol=1e-6)
+    # and local training converges to each client's own ridge solution
+    A, b = quadratics(data)
+    own = np.linalg.solve(A, b[..., None])[..., 0]
+    np.testing.assert_allclose(np.asarray(traj[-1]), own, rtol=1e-4, atol=1e-4)
+    assert float(jnp.max(infos.proj_violation)) == 0.0
+
+
+@pytest.mark.parametrize("s", [N_CLIENTS, N_CLIENTS // 3])
+def test_converges_to_cvxpy_solution(s):
+    data = problem().train
+    D = true_dissimilarity()
+    t = 0.5
+    ref = _cvxpy_reference(data, D, t)
+    # the constraints matter: the unconstrained (local) solution is far from ref
+    A, b = quadratics(data)
+    own = np.linalg.solve(A, b[..., None])[..., 0]
+    assert np.linalg.norm(own - ref) > 0.1 * np.linalg.norm(ref)
+    state, infos, _ = run_karula(D, t, _eta(data), jax.random.key(5), data, s=s)
+    theta = np.asarray(state.params, np.float64)
+    rel = np.linalg.norm(theta - ref) / np.linalg.norm(ref)
+    assert rel < 1e-4, rel
+    sq = ((theta[:, None] - theta[None]) ** 2).sum(-1)
+    off = ~np.eye(N_CLIENTS, dtype=bool)
+    assert np.max((sq - t * D)[off]) <= 1e-5 * np.max(t * D)
+    assert bool(jnp.all(infos.finite))
+    assert int(infos.participants.sum(1).min()) == s == int(infos.participants.sum(1).max())
+
+
+def test_traced_t_grid_vmapped_and_compiled_once():
+    data = problem().train
+    D = true_dissimilarity()
+    eta = _eta(data)
+    key = jax.random.key(6)
+    ts = jnp.array([0.0, 0.5, jnp.inf])
+    before = TRACES["run"]
+    singles = [np.asarray(run_karula(D, t, eta, key, data, s=N_CLIENTS)[0].params) for t in ts]
+    assert TRACES["run"] - before <= 1  # new t values do not retrace
+
+    grid = jax.jit(jax.vmap(lambda t: run_karula(D, t, eta, key, data, s=N_CLIENTS)[0].params))(ts)
+    np.testing.assert_allclose(np.asarray(grid), np.stack(singles), rtol=1e-4, atol=1e-5)
+    # more room gives a lower objective: f(t=0) >= f(t=0.5) >= f(t=inf)
+    A, b = quadratics(data)
+    a = alphas(data)
+
+    def f(th):
+        th = np.asarray(th, np.float64)
+        return np.mean(a * (0.5 * np.einsum("ni,nij,nj->n", th, A, th) - (b * th).sum(1)))
+
+    vals = [f(th) for th in singles]
+    assert vals[0] > vals[1] > vals[2]
+
+
+def test_shared_leaves_reach_consensus_cvxpy():
+    """A shared intercept (personalized=False leaf) matches cvxpy with one common c."""
+    data = problem().train
+    D = true_dissimilarity()
+    t = 0.5
+
+    def loss(p, x, y, mask):
+        r = jnp.where(mask, x @ p["w"] + p["c"] - y, 0.0)
+        reg = jnp.sum(p["w"] ** 2) + p["c"] ** 2
+        return jnp.sum(r * r) / (2 * jnp.sum(mask)) + 0.5 * LAM * reg
+
+    # the intercept adds one feature of value 1: its Lipschitz constant bounds ours
+    ones = jnp.where(data.mask[..., None], 1.0, 0.0)
+    aug = data._replace(x=jnp.concatenate([data.x, ones], axis=-1))
+    eta = 3.0 / (8.0 * lipschitz_ridge(aug, LAM))
+    alg = karula(
+        loss,
+        D,
+        t=t,
+        learning_rate=eta,
+        clients_per_round=N_CLIENTS,
+        batch_size=FULL,
+        personalized={"w": True, "c": False},
+    )
+    params0 = {"w": zeros(), "c": jnp.zeros(())}
+    state, infos, _ = jax.jit(scan_run, static_argnums=(0, 4))(
+        alg, params0, data, jax.random.key(7), 1500
+    )
+    c = np.asarray(state.params["c"])
+    assert np.ptp(c) <= 1e-6 * (1 + abs(c).max())
+    W_ref, c_ref = _cvxpy_reference(data, D, t, shared_bias=True)
+    np.testing.assert_allclose(np.asarray(state.params["w"]), W_ref, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(c, c_ref, rtol=1e-3, atol=1e-4)
+
+
+def test_overflow_is_reported_not_silent():
+    data = problem().train
+    _, infos, _ = run_karula(true_dissimilarity(), 0.5, 1e30, jax.random.key(8), data, s=N_CLIENTS)
+    assert not bool(infos.finite[-1])
+
+
+def test_bad_input_raises():
+    data = problem().train
+    n = N_CLIENTS
+    D = true_dissimilarity()
+    kw = dict(t=1.0, learning_rate=0.1, clients_per_round=2, batch_size=4)
+
+    def make(**over):
+        args = {**kw, **over}
+        DD = args.pop("D", D)
+        return karula(LOSS, DD, **args)
+
+    with pytest.raises(ValueError, match="clients_per_round"):
+        make(clients_per_round=0)
+    with pytest.raises(ValueError, match="clients_per_round"):
+        make(clients_per_round=n + 1).init(zeros(), data, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="^t "):
+        make(t=-1.0)
+    with pytest.raises(ValueError, match="^t "):
+        make(t=float("nan"))
+    with pytest.raises(ValueError, match="learning_rate"):
+        make(learning_rate=-0.1)
+    with pytest.raises(ValueError, match="batch_size"):
+        make(batch_size=0)
+    with pytest.raises(TypeError, match="batch_size"):
+        make(batch_size=2.5)
+    with pytest.raises(ValueError, match="^D "):
+        make(D=np.ones((n, n - 1)))
+    with pytest.raises(ValueError, match="^D "):
+        make(D=-D)
+    bad = D.copy()
+    bad[0, 1] = bad[1, 0] = np.nan
+    with pytest.raises(ValueError, match="^D "):
+        make(D=bad)
+    asym = D.copy()
+    asym[0, 1] += 1.0
+    with pytest.raises(ValueError, match="^D "):
+        make(D=asym)
+    with pytest.raises(ValueError, match="^D "):
+        make(D=np.ones((n + 1, n + 1))).init(zeros(), data, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="weights"):
+        make(weights=-np.ones(n))
