@@ -1,0 +1,97 @@
+"""Client-axis sharding (DESIGN §8) on 4 simulated CPU devices.
+
+The device count of a JAX process is fixed at start-up, so the check runs this file as a
+script in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from karula_jax import training
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _compare_sharded_and_unsharded() -> dict:
+    """Runs in the 4-device subprocess; returns what the test asserts on."""
+    sys.path.insert(0, str(HERE))
+    from test_training import eval_fn, make_data, toy  # the toy algorithm of the driver tests
+
+    assert len(jax.devices()) == 4, jax.devices()
+    mesh = training.client_mesh()
+    data = make_data(seed=3, n=8)
+    alg = toy(s=3)
+    params = {"a": jnp.zeros(3), "b": jnp.zeros(())}
+    kw = dict(key=jax.random.PRNGKey(0), num_rounds=5, chunk_size=2, progress=False)
+    plain = training.run(alg, params, data, eval_fn=eval_fn, **kw)
+    sharded = training.run(alg, params, data, eval_fn=eval_fn, mesh=mesh, **kw)
+
+    a = sharded.state.params["a"]
+    out = {
+        "param_spec": list(a.sharding.spec),
+        "param_devices": len(a.sharding.device_set),
+        "shard_rows": sorted({s.data.shape[0] for s in a.addressable_shards}),
+        "max_param_diff": float(
+            np.max(np.abs(np.asarray(a) - np.asarray(plain.state.params["a"])))
+        ),
+        "max_metric_diff": float(np.max(np.abs(sharded.metrics["loss"] - plain.metrics["loss"]))),
+        "same_participants": bool(
+            np.array_equal(sharded.info.participants, plain.info.participants)
+        ),
+    }
+    # A batch of 4 seeds sharded along its leading (seed) axis.
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    many_kw = dict(keys=keys, num_rounds=3, chunk_size=3, progress=False)
+    many_plain = training.run_many(lambda: toy(s=3), params, data, **many_kw)
+    many_sharded = training.run_many(lambda: toy(s=3), params, data, mesh=mesh, **many_kw)
+    b = many_sharded.state.params["a"]
+    out["seed_spec"] = list(b.sharding.spec)
+    out["max_seed_diff"] = float(
+        np.max(np.abs(np.asarray(b) - np.asarray(many_plain.state.params["a"])))
+    )
+    return out
+
+
+def test_sharded_run_equals_unsharded_on_4_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Clients are split 2 per device along the leading axis.
+    assert out["param_spec"] == ["clients"]
+    assert out["param_devices"] == 4 and out["shard_rows"] == [2]
+    assert out["same_participants"]
+    assert out["max_param_diff"] < 1e-5 and out["max_metric_diff"] < 1e-4
+    assert out["seed_spec"] == ["clients"]
+    assert out["max_seed_diff"] < 1e-5
+
+
+def test_shard_leading_axis_replicates_what_does_not_divide():
+    mesh = training.client_mesh(jax.devices()[:1])
+    tree = {"x": jnp.ones((3, 2)), "s": jnp.zeros(()), "k": jax.random.key(0)}
+    placed = training.shard_leading_axis(tree, mesh)
+    assert tuple(placed["x"].sharding.spec) == ("clients",)
+    assert tuple(placed["s"].sharding.spec) == ()
+    np.testing.assert_array_equal(placed["x"], tree["x"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compare_sharded_and_unsharded()))
