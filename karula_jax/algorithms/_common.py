@@ -35,9 +35,11 @@ __all__ = [
     "client_batch",
     "concrete",
     "gather",
+    "init_and_run_keys",
     "local_sgd",
     "participant_value_and_grads",
     "resolve_weights",
+    "run_key",
     "sample_participants",
     "sample_rows",
     "scale_rows",
@@ -152,6 +154,21 @@ def client_keys(key: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
 
 
 # --------------------------------------------------------------------------- sampling
+
+
+def init_and_run_keys(key: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Splits ``init``'s key into (key for init-time draws, ``state.key`` of the run).
+
+    Every algorithm derives ``state.key`` the same way, so one key gives the same
+    participants and minibatches in every method (paired comparisons).
+    """
+    key_init, key_run = jax.random.split(key)
+    return key_init, key_run
+
+
+def run_key(key: jnp.ndarray) -> jnp.ndarray:
+    """``state.key`` of a run started with ``init(..., key=key)``."""
+    return init_and_run_keys(key)[1]
 
 
 def sample_participants(key: jnp.ndarray, n: int, s: int) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -35,13 +35,13 @@ def _round_keys(state: FedState):
     return jax.random.split(key)
 
 
-def _start(params, n: int, key, memory=()) -> FedState:
+def _start(params, n: int, key_run, memory=()) -> FedState:
     return FedState(
         params=C.broadcast(params, n),
         memory=memory,
         proj_state=(),
         extra=(),
-        key=key,
+        key=key_run,
         round=jnp.zeros((), jnp.int32),
     )
 
@@ -94,7 +94,7 @@ def local(
 
     def init(params, data: ClientData, *, key) -> FedState:
         _s(data)
-        return _start(params, data.num_clients, key)
+        return _start(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
         n, s = data.num_clients, _s(data)
@@ -161,8 +161,8 @@ def fedsgd(
         n = data.num_clients
         C.check_clients_per_round(s, n)
         if not memory:
-            return _start(params, n, key)
-        key_init, key_run = jax.random.split(key)
+            return _start(params, n, C.run_key(key))
+        key_init, key_run = C.init_and_run_keys(key)
         theta = C.broadcast(params, n)
         alpha = C.resolve_weights(weights, data)
         everyone = jnp.arange(n, dtype=jnp.int32)
@@ -239,7 +239,7 @@ def fedavg(
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_clients_per_round(s, data.num_clients)
-        return _start(params, data.num_clients, key)
+        return _start(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients

@@ -112,7 +112,7 @@ def ifca(
     def init(params, data: ClientData, *, key) -> FedState:
         n = data.num_clients
         C.check_clients_per_round(s, n)
-        key_init, key_run = jax.random.split(key)
+        key_init, key_run = C.init_and_run_keys(key)
         if initial_clusters is not None:
             clusters = jax.tree.map(jnp.asarray, initial_clusters)
         else:

@@ -169,7 +169,7 @@ def karula(
 
     def init(params, data: ClientData, *, key) -> FedState:
         _check_data(data)
-        key_init, key_run = jax.random.split(key)
+        key_init, key_run = C.init_and_run_keys(key)
         theta = C.broadcast(params, n)
         alpha = C.resolve_weights(weights, data)
         everyone = jnp.arange(n, dtype=jnp.int32)

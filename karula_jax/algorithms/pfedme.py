@@ -108,7 +108,7 @@ def pfedme(
             memory=(),
             proj_state=(),
             extra=w,
-            key=key,
+            key=C.run_key(key),
             round=jnp.zeros((), jnp.int32),
         )
 

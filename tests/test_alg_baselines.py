@@ -1,0 +1,197 @@
+"""Baselines: FedSGD, FedAvg, IFCA and pFedMe against closed forms and each other."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _alg_problems import (
+    DIM,
+    LAM,
+    LOSS,
+    N_CLIENTS,
+    alphas,
+    global_ridge,
+    problem,
+    quadratics,
+    scan_run,
+    zeros,
+)
+
+from karula_jax.algorithms import fedavg, fedsgd, ifca, ifca_assign, lipschitz_ridge, pfedme
+from karula_jax.data import from_client_arrays
+
+FULL = 64
+run = jax.jit(scan_run, static_argnums=(0, 4))
+
+
+def _global_lr(data) -> float:
+    """1 / lambda_max of the Hessian of F(w) = (1/n) sum alpha_i f_i(w)."""
+    A, _ = quadratics(data)
+    H = np.einsum("n,nij->ij", alphas(data), A) / A.shape[0]
+    return 1.0 / np.linalg.eigvalsh(H)[-1]
+
+
+def test_fedavg_one_local_step_is_fedsgd_with_minibatches():
+    data = problem().train
+    key = jax.random.key(10)
+    kw = dict(learning_rate=0.3, clients_per_round=2, batch_size=4)
+    sgd = fedsgd(LOSS, **kw)
+    _, i1, t1 = run(fedavg(LOSS, local_steps=1, **kw), zeros(), data, key, 60)
+    _, i2, t2 = run(sgd, zeros(), data, key, 60)
+    np.testing.assert_array_equal(i1.participants, i2.participants)
+    np.testing.assert_allclose(np.asarray(i1.loss), np.asarray(i2.loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-5, atol=1e-6)
+    # minibatches make the trajectory random: a different key gives another one
+    _, _, t3 = run(sgd, zeros(), data, jax.random.key(11), 60)
+    assert np.max(np.abs(np.asarray(t3) - np.asarray(t2))) > 1e-3
+
+
+def test_fedsgd_converges_to_global_ridge():
+    data = problem().train
+    lr = _global_lr(data)
+    target = global_ridge(data)
+    for memory in (False, True):
+        alg = fedsgd(LOSS, learning_rate=lr, clients_per_round=N_CLIENTS, batch_size=FULL,
+                     memory=memory)  # fmt: skip
+        state, infos, _ = run(alg, zeros(), data, jax.random.key(12), 500)
+        w = np.asarray(state.params)
+        assert np.ptp(w, axis=0).max() == 0.0  # broadcast global model
+        np.testing.assert_allclose(w[0], target, rtol=1e-4, atol=1e-5)
+        assert bool(jnp.all(infos.finite))
+
+
+def test_fedavg_reaches_its_client_drift_fixed_point():
+    """With E > 1 FedAvg converges to the fixed point of w -> sum_i p_i T_i^E(w), not w*."""
+    data = problem().train
+    A, b = quadratics(data)
+    p = alphas(data) / alphas(data).sum()
+    E = 5
+    lr = 0.5 / np.linalg.eigvalsh(A)[:, -1].max()
+    # T_i(w) = w - lr (A_i w - b_i) = M_i w + lr b_i; T_i^E(w) = M_i^E w + c_i
+    M = np.eye(DIM)[None] - lr * A
+    ME = np.stack([np.linalg.matrix_power(m, E) for m in M])
+    c = np.stack([sum(np.linalg.matrix_power(m, k) for k in range(E)) @ (lr * bi)
+                  for m, bi in zip(M, b, strict=True)])  # fmt: skip
+    fixed = np.linalg.solve(np.eye(DIM) - np.einsum("n,nij->ij", p, ME), p @ c)
+    alg = fedavg(
+        LOSS, learning_rate=lr, clients_per_round=N_CLIENTS, batch_size=FULL, local_steps=E
+    )
+    state, _, _ = run(alg, zeros(), data, jax.random.key(13), 400)
+    w = np.asarray(state.params[0])
+    np.testing.assert_allclose(w, fixed, rtol=1e-4, atol=1e-5)
+    drift = np.linalg.norm(fixed - global_ridge(data))
+    assert drift > 100 * np.linalg.norm(w - fixed)  # the drift is real and resolved
+
+
+def test_ifca_with_one_cluster_is_fedavg():
+    data = problem().train
+    key = jax.random.key(14)
+    kw = dict(learning_rate=0.2, clients_per_round=3, batch_size=4, local_steps=2)
+    _, i1, t1 = run(ifca(LOSS, num_clusters=1, **kw), zeros(), data, key, 40)
+    _, i2, t2 = run(fedavg(LOSS, **kw), zeros(), data, key, 40)
+    np.testing.assert_array_equal(i1.participants, i2.participants)
+    np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-5, atol=1e-6)
+
+
+def _two_groups():
+    """Six clients, two groups with true models +2 and -2 (times ones), low noise."""
+    rng = np.random.default_rng(0)
+    groups = np.array([0, 1, 0, 1, 0, 1])
+    xs, ys = [], []
+    for i, g in enumerate(groups):
+        x = rng.standard_normal((8 + i, DIM))
+        theta = (2.0 if g == 0 else -2.0) * np.ones(DIM)
+        xs.append(x)
+        ys.append(x @ theta + 0.1 * rng.standard_normal(len(x)))
+    return from_client_arrays(xs, ys), groups
+
+
+def test_ifca_recovers_separated_clusters():
+    data, groups = _two_groups()
+    A, b = quadratics(data)
+    a = alphas(data)
+    lr = 1.0 / np.linalg.eigvalsh(A)[:, -1].max()
+    # local_steps=1, exact gradients: each cluster's fixed point is its group's ridge fit
+    alg = ifca(
+        LOSS,
+        num_clusters=2,
+        learning_rate=lr,
+        clients_per_round=N_CLIENTS,
+        batch_size=FULL,
+        local_steps=1,
+        init_scale=1.0,
+    )
+    state, infos, _ = run(alg, zeros(), data, jax.random.key(15), 300)
+    assign = np.asarray(ifca_assign(LOSS, state.extra.clusters, data))
+    assert len(set(assign[groups == 0])) == 1 and len(set(assign[groups == 1])) == 1
+    assert assign[groups == 0][0] != assign[groups == 1][0]
+    for g in (0, 1):
+        sel = groups == g
+        fit = np.linalg.solve(np.einsum("n,nij->ij", a[sel], A[sel]), a[sel] @ b[sel])
+        model = np.asarray(state.extra.clusters)[assign[sel][0]]
+        np.testing.assert_allclose(model, fit, rtol=1e-4, atol=1e-4)
+    per_client = np.asarray(alg.client_params(state, data))
+    np.testing.assert_array_equal(per_client, np.asarray(state.extra.clusters)[assign])
+    assert bool(jnp.all(infos.finite))
+
+
+def test_ifca_default_init_perturbs_all_but_the_first_cluster():
+    data = problem().train
+    params = jnp.arange(DIM, dtype=jnp.float32)
+    alg = ifca(LOSS, num_clusters=400, learning_rate=0.1, clients_per_round=2, batch_size=4,
+               init_scale=0.5)  # fmt: skip
+    state = jax.jit(alg.init)(params, data, key=jax.random.key(16))
+    clusters = np.asarray(state.extra.clusters)
+    np.testing.assert_array_equal(clusters[0], np.asarray(params))
+    noise = clusters[1:] - np.asarray(params)
+    assert abs(noise.std() - 0.5) < 0.05 and abs(noise.mean()) < 0.05
+
+
+def test_pfedme_reaches_moreau_envelope_stationary_point():
+    """R = 1, exact gradients, many inner steps: w = sum_i p_i prox_i(w) (closed form)."""
+    data = problem().train
+    A, b = quadratics(data)
+    p = alphas(data) / alphas(data).sum()
+    lam = 2.0
+    H = A + lam * np.eye(DIM)[None]
+    Hinv = np.linalg.inv(H)
+    lhs = np.eye(DIM) - lam * np.einsum("n,nij->ij", p, Hinv)
+    w_star = np.linalg.solve(lhs, np.einsum("n,nij,nj->i", p, Hinv, b))
+    theta_star = np.einsum("nij,nj->ni", Hinv, b + lam * w_star)
+    alg = pfedme(
+        LOSS,
+        learning_rate=0.5 / lam,
+        clients_per_round=N_CLIENTS,
+        batch_size=FULL,
+        lam=lam,
+        personal_learning_rate=1.0 / np.linalg.eigvalsh(H)[:, -1].max(),
+        inner_steps=40,
+        local_steps=1,
+    )
+    state, infos, _ = run(alg, zeros(), data, jax.random.key(17), 300)
+    np.testing.assert_allclose(np.asarray(state.extra), w_star, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(alg.client_params(state, data)), theta_star, rtol=1e-4, atol=1e-5
+    )
+    # personalization is real: the personalized models differ from w and from each other
+    assert np.linalg.norm(theta_star - w_star) > 0.1
+    assert bool(jnp.all(infos.finite))
+
+
+def test_lipschitz_ridge_matches_hessian_of_product_objective():
+    data = problem().train
+    a = alphas(data)
+
+    def f(theta):  # theta [n, d]
+        losses = jax.vmap(LOSS)(theta, data.x, data.y, data.mask)
+        return jnp.mean(jnp.asarray(a, jnp.float32) * losses)
+
+    hess = jax.jit(jax.hessian(f))(jnp.zeros((N_CLIENTS, DIM)))
+    H = np.asarray(hess, np.float64).reshape(N_CLIENTS * DIM, N_CLIENTS * DIM)
+    L = lipschitz_ridge(data, LAM)
+    np.testing.assert_allclose(L, np.linalg.eigvalsh(H)[-1], rtol=1e-4)
+    w = np.linspace(0.5, 1.5, N_CLIENTS)
+    L_w = lipschitz_ridge(data, LAM, weights=w)
+    A, _ = quadratics(data)
+    np.testing.assert_allclose(L_w, np.max(w * np.linalg.eigvalsh(A)[:, -1]) / N_CLIENTS)
