@@ -74,5 +74,12 @@ def scan_run(alg, params0, data, key, rounds: int):
     return state, infos, traj
 
 
+def intercept_loss(p, x, y, mask):
+    """Ridge with an intercept: ``p = {"w": [d], "c": []}``, both penalized by LAM."""
+    r = jnp.where(mask, x @ p["w"] + p["c"] - y, 0.0)
+    reg = jnp.sum(p["w"] ** 2) + p["c"] ** 2
+    return jnp.sum(r * r) / (2 * jnp.sum(mask)) + 0.5 * LAM * reg
+
+
 def zeros():
     return jnp.zeros((DIM,), jnp.float32)

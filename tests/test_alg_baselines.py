@@ -12,13 +12,22 @@ from _alg_problems import (
     N_CLIENTS,
     alphas,
     global_ridge,
+    intercept_loss,
     problem,
     quadratics,
     scan_run,
     zeros,
 )
 
-from karula_jax.algorithms import fedavg, fedsgd, ifca, ifca_assign, lipschitz_ridge, pfedme
+from karula_jax.algorithms import (
+    fedavg,
+    fedsgd,
+    ifca,
+    ifca_assign,
+    lipschitz_ridge,
+    local,
+    pfedme,
+)
 from karula_jax.data import from_client_arrays
 
 FULL = 64
@@ -195,3 +204,64 @@ def test_lipschitz_ridge_matches_hessian_of_product_objective():
     L_w = lipschitz_ridge(data, LAM, weights=w)
     A, _ = quadratics(data)
     np.testing.assert_allclose(L_w, np.max(w * np.linalg.eigvalsh(A)[:, -1]) / N_CLIENTS)
+    np.testing.assert_allclose(lipschitz_ridge(data, LAM, per_client=True), N_CLIENTS * L)
+
+
+def test_fedavg_personalized_leaves_fedper_fixed_point():
+    """Shared w averaged, personalized intercepts c_i kept: with E = 1 and exact gradients
+    the fixed point minimizes sum_i alpha_i f_i(w, c_i) jointly (a least-squares problem)."""
+    data = problem().train
+    n, a = N_CLIENTS, alphas(data)
+    x, y, counts = np.asarray(data.x, np.float64), np.asarray(data.y, np.float64), data.counts
+    # Stack sqrt(alpha_i / (2 N_i)) [x_i, e_i] rows plus the ridge rows, solve least squares.
+    rows, rhs = [], []
+    for i, N in enumerate(np.asarray(counts)):
+        scale = np.sqrt(a[i] / N)
+        block = np.zeros((N, DIM + n))
+        block[:, :DIM], block[:, DIM + i] = x[i, :N], 1.0
+        rows.append(scale * block)
+        rhs.append(scale * y[i, :N])
+        reg = np.zeros((DIM + 1, DIM + n))
+        reg[:DIM, :DIM] = np.eye(DIM)
+        reg[DIM, DIM + i] = 1.0
+        rows.append(np.sqrt(a[i] * LAM) * reg)
+        rhs.append(np.zeros(DIM + 1))
+    sol = np.linalg.lstsq(np.concatenate(rows), np.concatenate(rhs), rcond=None)[0]
+    alg = fedavg(
+        intercept_loss,
+        learning_rate=0.3,
+        clients_per_round=n,
+        batch_size=FULL,
+        local_steps=1,
+        personalized={"w": False, "c": True},
+    )
+    params0 = {"w": zeros(), "c": jnp.zeros(())}
+    state, infos, _ = run(alg, params0, data, jax.random.key(18), 2000)
+    w, c = np.asarray(state.params["w"]), np.asarray(state.params["c"])
+    assert np.ptp(w, axis=0).max() == 0.0 and np.ptp(c) > 0.1
+    np.testing.assert_allclose(w[0], sol[:DIM], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(c, sol[DIM:], rtol=1e-4, atol=1e-4)
+    # partial participation: only the participants' own leaves move
+    part = fedavg(intercept_loss, learning_rate=0.3, clients_per_round=2, batch_size=FULL,
+                  personalized={"w": False, "c": True})  # fmt: skip
+    s0 = part.init({"w": zeros(), "c": jnp.zeros(())}, data, key=jax.random.key(19))
+    s1, info = jax.jit(part.round)(s0, data)
+    moved = np.asarray(s1.params["c"] != s0.params["c"])
+    np.testing.assert_array_equal(moved, np.asarray(info.participants))
+
+
+def test_local_partial_participation_step():
+    """Only the s participants move, each by lr * alpha_i grad f_i / n (closed form)."""
+    data = problem().train
+    lr = 0.7
+    alg = local(LOSS, learning_rate=lr, batch_size=FULL, clients_per_round=2)
+    s0 = alg.init(zeros(), data, key=jax.random.key(20))
+    theta = jax.random.normal(jax.random.key(21), (N_CLIENTS, DIM))
+    s0 = s0._replace(params=theta)
+    s1, info = jax.jit(alg.round)(s0, data)
+    part = np.asarray(info.participants)
+    assert part.sum() == 2
+    A, b = quadratics(data)
+    step = lr * alphas(data)[:, None] * (np.einsum("nij,nj->ni", A, theta) - b) / N_CLIENTS
+    expected = np.where(part[:, None], np.asarray(theta) - step, np.asarray(theta))
+    np.testing.assert_allclose(np.asarray(s1.params), expected, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ from _alg_problems import (
     N_CLIENTS,
     alphas,
     full_grads,
+    intercept_loss,
     problem,
     quadratics,
     scan_run,
@@ -183,17 +184,12 @@ def test_shared_leaves_reach_consensus_cvxpy():
     D = true_dissimilarity()
     t = 0.5
 
-    def loss(p, x, y, mask):
-        r = jnp.where(mask, x @ p["w"] + p["c"] - y, 0.0)
-        reg = jnp.sum(p["w"] ** 2) + p["c"] ** 2
-        return jnp.sum(r * r) / (2 * jnp.sum(mask)) + 0.5 * LAM * reg
-
     # the intercept adds one feature of value 1: its Lipschitz constant bounds ours
     ones = jnp.where(data.mask[..., None], 1.0, 0.0)
     aug = data._replace(x=jnp.concatenate([data.x, ones], axis=-1))
     eta = 3.0 / (8.0 * lipschitz_ridge(aug, LAM))
     alg = karula(
-        loss,
+        intercept_loss,
         D,
         t=t,
         learning_rate=eta,

@@ -104,8 +104,12 @@ def karula(
       :func:`fedsgd` with ``memory=True`` at learning rate ``learning_rate / n``;
     * at ``t = inf`` (or ``D = inf``) with ``s = n`` one round equals :func:`local`
       at the same ``learning_rate`` (step ``alpha_i grad f_i / n`` per client);
-    * the theory's step is ``3 / (8 L)`` with ``L = max_i alpha_i L_i / n``
-      (:func:`lipschitz_ridge` for ridge regression).
+    * DESIGN's step is ``3 / (8 L)`` with ``L = max_i alpha_i L_i / n``
+      (:func:`lipschitz_ridge` for ridge regression). With ``s < n`` and large ``t``
+      this step can diverge (the memory term ``m_i / n`` is applied every round, the
+      fresh gradient only when ``i`` participates); the paper's theorem uses an ``n``
+      times larger ``L`` (see :func:`lipschitz_ridge`). Divergence shows as
+      ``RoundInfo.finite = False``.
 
     Args:
       loss: ``loss(params, x, y, mask) -> scalar``, mean over the masked rows.

@@ -10,7 +10,9 @@ from karula_jax.data.clients import ClientData, client_weights
 __all__ = ["lipschitz_ridge"]
 
 
-def lipschitz_ridge(data: ClientData, lam: float, weights=None) -> float:
+def lipschitz_ridge(
+    data: ClientData, lam: float, weights=None, *, per_client: bool = False
+) -> float:
     """Lipschitz constant of ``grad f`` on the product space, for ridge regression.
 
     The loss is :func:`karula_jax.models.ridge_loss`:
@@ -19,12 +21,20 @@ def lipschitz_ridge(data: ClientData, lam: float, weights=None) -> float:
     ``f(theta) = (1/n) sum_i alpha_i f_i(theta_i)`` has a block-diagonal Hessian with
     blocks ``alpha_i (X_i^T X_i / N_i + lam I) / n``, so
     ``L = max_i alpha_i L_i / n`` with ``L_i = lambda_max(X_i^T X_i / N_i) + lam``.
-    Karula's theoretical step is then ``3 / (8 L)``.
+    DESIGN's step for Karula is then ``3 / (8 L)``.
+
+    Caution: the paper's theorem assumes each ``alpha_i f_i`` is ``L``-smooth, i.e.
+    ``L_paper = max_i alpha_i L_i = n * L`` (``per_client=True``), which gives an ``n``
+    times smaller step. With ``s < n`` and weakly coupled clients (large ``t``) the
+    larger step ``3 / (8 L)`` can diverge: on ``synthetic_ridge(0)`` (n = 30, s = 10,
+    full gradients, D = inf) Karula diverged at ``3/(8L)`` and converged at
+    ``0.66 * 3/(8L)`` and below; ``RoundInfo.finite`` reports it.
 
     Args:
       data: clients with ``x`` of shape ``[n, N_max, d]`` (padded rows are ignored).
       lam: ridge penalty ``>= 0``.
       weights: optional ``alpha`` of shape ``[n]`` (default ``client_weights(counts)``).
+      per_client: return ``max_i alpha_i L_i`` (the paper's constant) instead.
 
     Returns:
       ``L`` as a Python float.
@@ -43,4 +53,5 @@ def lipschitz_ridge(data: ClientData, lam: float, weights=None) -> float:
     else:
         C.check_weights(weights, x.shape[0])
         alpha = np.asarray(weights, dtype=np.float64)
-    return float(np.max(alpha * L_i) / x.shape[0])
+    L = float(np.max(alpha * L_i))
+    return L if per_client else L / x.shape[0]
