@@ -80,7 +80,8 @@ class RunResult(NamedTuple):
       timings: seconds spent compiling the chunk (``compile_s``; near 0 when an earlier
         ``run`` with the same algorithm object compiled it already), in compiled chunks
         (``run_s``), evaluating (``eval_s``), checkpointing (``checkpoint_s``), in total
-        (``total_s``), and ``rounds_per_s`` = rounds run / ``run_s``. Only this call's
+        (``total_s``), ``rounds_per_s`` = rounds run / ``run_s``, and
+        ``best_rounds_per_s``, the fastest chunk's rate (robust to a busy machine). Only this call's
         work is counted (a resumed run does not inherit the killed run's times).
       nonfinite_round: first round (0-based) whose info reported a non-finite value when
         ``on_nonfinite="record"``; ``None`` if every round was finite.
@@ -584,6 +585,7 @@ def run(
     shardings = jax.tree.map(lambda x: x.sharding, state)
 
     timings = {"compile_s": 0.0, "run_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+    best_rate = 0.0
 
     eval_jit = None
     if eval_fn is not None:
@@ -610,6 +612,7 @@ def run(
         timings["total_s"] = time.perf_counter() - t_start
         ran = sum(p.loss.shape[0] for p in info_parts) - inherited
         timings["rounds_per_s"] = ran / timings["run_s"] if timings["run_s"] > 0 else math.nan
+        timings["best_rounds_per_s"] = best_rate if best_rate > 0 else math.nan
         return RunResult(
             state=state,
             info=info,
@@ -638,6 +641,7 @@ def run(
             info = RoundInfo(*(np.asarray(a)[:active] for a in jax.device_get(info)))
             dt = time.perf_counter() - t0
             timings["run_s"] += dt
+            best_rate = max(best_rate, active / dt)
             state = jax.device_put(state, shardings)  # keep the compiled input placement
             ok = np.asarray(info.finite).reshape(active, -1).all(axis=1)
             if not ok.all():
