@@ -1,0 +1,105 @@
+"""The synthetic ridge experiment: fold machinery, metrics, and a quick end-to-end run."""
+
+import csv
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import synthetic_ridge as sr
+from karula_jax.data import from_client_arrays
+
+
+def _toy(seed=0, sizes=(7, 12, 5), dim=3):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(m, dim)) for m in sizes]
+    ys = [rng.normal(size=m) for m in sizes]
+    return from_client_arrays(xs, ys), xs, ys
+
+
+def test_folds_partition_each_clients_rows_and_are_balanced():
+    data, xs, ys = _toy()
+    K = 3
+    folds = np.asarray(sr.fold_ids(data.counts, data.max_count, K, key=jax.random.key(0)))
+    train, val = sr.cv_splits(data, folds, K)
+    for i, x in enumerate(xs):
+        m = x.shape[0]
+        assert np.all(folds[i, m:] == -1)
+        sizes = np.bincount(folds[i, :m], minlength=K)
+        assert sizes.max() - sizes.min() <= 1
+        for f in range(K):
+            # Brute force: rows of fold f (validation) and the others (training), in order.
+            want_val = x[folds[i, :m] == f]
+            want_tr = x[folds[i, :m] != f]
+            nv, nt = int(val.counts[f, i]), int(train.counts[f, i])
+            assert (nv, nt) == (len(want_val), len(want_tr))
+            np.testing.assert_array_equal(np.asarray(val.x[f, i, :nv]), want_val.astype(np.float32))
+            np.testing.assert_array_equal(
+                np.asarray(train.x[f, i, :nt]), want_tr.astype(np.float32)
+            )
+            np.testing.assert_array_equal(
+                np.asarray(train.y[f, i, :nt]), ys[i][folds[i, :m] != f].astype(np.float32)
+            )
+            # Padding is zero, so nothing but masked rows could ever differ.
+            assert np.all(np.asarray(val.x[f, i, nv:]) == 0)
+            assert np.all(np.asarray(train.y[f, i, nt:]) == 0)
+
+
+def test_metrics_match_numpy():
+    data, xs, ys = _toy(1)
+    rng = np.random.default_rng(2)
+    theta = rng.normal(size=(3, 3)).astype(np.float32)
+    truth = rng.normal(size=(3, 3)).astype(np.float32)
+    r2 = np.asarray(sr.r2_per_client(theta, data))
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        pred = x @ theta[i]
+        want = 1 - np.sum((y - pred) ** 2) / np.sum((y - y.mean()) ** 2)
+        assert r2[i] == pytest.approx(want, rel=1e-4, abs=1e-5)
+    sse, rows = sr.squared_error_sum(theta, data)
+    want = sum(np.sum((x @ theta[i] - y) ** 2) for i, (x, y) in enumerate(zip(xs, ys, strict=True)))
+    assert float(sse) == pytest.approx(want, rel=1e-4)
+    assert int(rows) == sum(len(y) for y in ys)
+    err = float(sr.estimation_error(theta, truth))
+    assert err == pytest.approx(np.mean(np.sum((theta - truth) ** 2, axis=1)), rel=1e-5)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="num_folds"):
+        sr.SyntheticConfig(num_folds=1)
+    with pytest.raises(ValueError, match="clients_per_round"):
+        sr.SyntheticConfig(clients_per_round=31)
+    with pytest.raises(ValueError, match="t_grid"):
+        sr.SyntheticConfig(t_grid=())
+
+
+def test_quick_run_writes_the_table_figure_and_config(tmp_path):
+    summary = sr.main(["--quick", "--out", str(tmp_path)])
+    for name in ("table.csv", "table.md", "heatmaps.png", "config.json"):
+        assert (tmp_path / name).is_file(), name
+    with open(tmp_path / "table.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["method"] for r in rows] == list(sr.METHODS)
+    assert set(rows[0]) == {
+        "method",
+        "estimation_error",
+        "estimation_error_2se",
+        "test_r2",
+        "test_r2_2se",
+        "cv_choice",
+    }
+    for r in rows:
+        for key in ("estimation_error", "estimation_error_2se", "test_r2", "test_r2_2se"):
+            assert np.isfinite(float(r[key])), (r["method"], key)
+        assert float(r["estimation_error"]) > 0
+        assert float(r["test_r2"]) <= 1
+    # Methods with a grid report what cross-validation chose.
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["Karula"]["cv_choice"].startswith("t=")
+    assert by_method["IFCA"]["cv_choice"].startswith("k=")
+    assert by_method["pFedMe"]["cv_choice"].startswith("lambda=")
+    md = (tmp_path / "table.md").read_text()
+    assert all(m in md for m in sr.METHODS) and "±" in md
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["config"]["seeds"] == 2 and cfg["runtime_s"] > 0
+    assert len(summary["methods"]["Karula"]["chosen"]) == 2
