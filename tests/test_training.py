@@ -495,3 +495,55 @@ def test_product_grid():
             num_rounds=1,
             progress=False,
         )
+
+
+def test_real_karula_resume_and_t_grid(tmp_path):
+    """The driver with the real Karula (projection warm start in the state)."""
+    from karula_jax.algorithms import karula
+    from karula_jax.data import synthetic_ridge
+    from karula_jax.models import ridge_loss
+
+    prob = synthetic_ridge(0, num_clients=6, dim=3, min_samples=5, max_samples=8, num_test=4)
+    d = np.asarray(jnp.sum((prob.theta_true[:, None] - prob.theta_true[None]) ** 2, -1))
+    loss = ridge_loss(1e-3)
+
+    def make(t):
+        return karula(
+            loss,
+            d,
+            t=t,
+            learning_rate=0.5,
+            clients_per_round=2,
+            batch_size=4,
+            projection_max_iter=200,
+        )
+
+    params = jnp.zeros(3)
+    key = jax.random.PRNGKey(0)
+    alg = make(0.3)
+    kw = dict(chunk_size=2, progress=False)
+    full = training.run(alg, params, prob.train, key=key, num_rounds=4, **kw)
+    training.run(alg, params, prob.train, key=key, num_rounds=2, checkpoint_dir=tmp_path, **kw)
+    resumed = training.run(
+        alg,
+        params,
+        prob.train,
+        key=key,
+        num_rounds=4,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        **kw,
+    )
+    leaves_equal(full.state, resumed.state)
+    leaves_equal(full.info, resumed.info)
+    assert (full.info.proj_iterations > 0).any()  # the constraints were active
+
+    keys = jax.random.split(key, 2)
+    many = training.run_many(
+        make, params, prob.train, keys=keys, hyper={"t": [0.3, 0.0]}, num_rounds=4, **kw
+    )
+    one = training.run(alg, params, prob.train, key=keys[1], num_rounds=4, **kw)
+    np.testing.assert_allclose(many.state.params[1, 0], one.state.params, rtol=1e-4, atol=1e-5)
+    # t = 0 ties every client to one model.
+    spread = np.ptp(np.asarray(many.state.params[:, 1]), axis=1)
+    assert spread.max() < 1e-5
