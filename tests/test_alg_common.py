@@ -9,7 +9,7 @@ import pytest
 from _alg_problems import LOSS, N_CLIENTS, problem, scan_run, zeros
 
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms import fedavg, fedsgd, ifca, karula, local, pfedme
+from karula_jax.algorithms import fedavg, fedsgd, ifca, local, pfedme
 
 DRAWS = 4000
 
@@ -100,10 +100,9 @@ def _nan_loss(p, x, y, m):
 
 
 def _all_algorithms(loss):
-    D = np.ones((N_CLIENTS, N_CLIENTS))
+    """Every baseline (Karula's NaN test reuses its compiled runner: test_alg_karula)."""
     kw = dict(learning_rate=0.1, clients_per_round=2, batch_size=4)
     return {
-        "karula": karula(loss, D, t=1.0, **kw),
         "local": local(loss, learning_rate=0.1, batch_size=4, clients_per_round=2),
         "fedsgd": fedsgd(loss, **kw),
         "fedavg": fedavg(loss, **kw),
@@ -116,8 +115,9 @@ def test_nan_loss_is_reported_and_keys_are_shared():
     data = problem().train
     participants = []
     for name, alg in _all_algorithms(_nan_loss).items():
-        state = alg.init(zeros(), data, key=jax.random.key(4))
-        state, info = jax.jit(alg.round)(state, data)
+        info = jax.jit(lambda k, a=alg: a.round(a.init(zeros(), data, key=k), data)[1])(
+            jax.random.key(4)
+        )
         assert not bool(info.finite), name
         assert int(info.participants.sum()) == 2, name
         participants.append(np.asarray(info.participants))
@@ -161,5 +161,9 @@ def test_bad_input_raises_for_every_baseline():
         ifca(LOSS, num_clusters=2, initial_clusters=jnp.zeros((3, 3)), **kw)
     with pytest.raises(ValueError, match="lam"):
         pfedme(LOSS, lam=-1.0, **kw)
+    with pytest.raises(ValueError, match="lam"):
+        pfedme(LOSS, lam=0.0, **kw)
+    with pytest.raises(ValueError, match="beta"):
+        pfedme(LOSS, beta=0.0, **kw)
     with pytest.raises(ValueError, match="inner_steps"):
         pfedme(LOSS, inner_steps=0, **kw)

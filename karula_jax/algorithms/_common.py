@@ -30,6 +30,7 @@ __all__ = [
     "check_clients_per_round",
     "client_keys",
     "check_nonnegative",
+    "check_positive",
     "check_positive_int",
     "check_weights",
     "client_batch",
@@ -73,6 +74,14 @@ def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
     if np.isnan(v) or v < 0 or (np.isinf(v) and not allow_inf):
         expected = ">= 0 (may be inf)" if allow_inf else "finite and >= 0"
         raise ValueError(f"{name} must be {expected}, got {v}")
+
+
+def check_positive(name: str, value) -> None:
+    """Raises ValueError unless a concrete scalar ``value`` is finite and > 0."""
+    check_nonnegative(name, value)
+    v = concrete(value)
+    if v is not None and float(v) == 0:
+        raise ValueError(f"{name} must be > 0, got 0")
 
 
 def check_positive_int(name: str, value) -> int:

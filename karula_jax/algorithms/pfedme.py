@@ -59,7 +59,7 @@ def pfedme(
       personal_learning_rate: inner step size ``> 0``.
       inner_steps: ``K`` (static).
       local_steps: ``R`` (static).
-      beta: server mixing ``0 < beta`` (1 = plain average; pFedMe uses 1 to 2).
+      beta: server mixing ``beta > 0`` (1 = plain average; pFedMe uses 1 to 2).
       weights: optional ``alpha`` of shape ``[n]``.
 
     Returns:
@@ -69,11 +69,11 @@ def pfedme(
     C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
     B = C.check_positive_int("batch_size", batch_size)
-    C.check_nonnegative("lam", lam)
-    C.check_nonnegative("personal_learning_rate", personal_learning_rate)
+    C.check_positive("lam", lam)
+    C.check_positive("personal_learning_rate", personal_learning_rate)
     K = C.check_positive_int("inner_steps", inner_steps)
     R = C.check_positive_int("local_steps", local_steps)
-    C.check_nonnegative("beta", beta)
+    C.check_positive("beta", beta)
     C.check_weights(weights)
 
     def client(w, x, y, count, key):
