@@ -1,0 +1,69 @@
+"""The FEMNIST experiment end to end (quick mode) and its helpers."""
+
+import csv
+
+import numpy as np
+import pytest
+
+from experiments import femnist
+
+
+def test_library_rates_reproduce_the_papers_per_client_steps():
+    # The paper steps eta_p * N_i * grad(mean loss of i); the library steps
+    # eta * alpha_i / n (karula, local) or eta (fedavg, ifca, on a client's mean loss).
+    counts = np.array([50, 80, 120, 100])
+    cfg = femnist.Config()
+    rates = femnist.library_rates(cfg, counts)
+    n = len(counts)
+    alpha = counts * n / counts.sum()
+    paper = dict(cfg.paper_rates)
+    for m in ("karula", "local"):
+        np.testing.assert_allclose(rates[m] * alpha / n, paper[m] * counts, rtol=1e-12)
+    for m in ("fedavg", "ifca"):
+        np.testing.assert_allclose(rates[m], paper[m] * counts.mean(), rtol=1e-12)
+    doubled = femnist.library_rates(femnist.Config(rate_scale=2.0), counts)
+    assert all(doubled[m] == pytest.approx(2 * rates[m]) for m in rates)
+
+
+def test_active_fraction_counts_tight_and_violated_pairs():
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(5, 3))
+    sq = ((v[:, None] - v[None]) ** 2).sum(-1)
+    iu = np.triu_indices(5, 1)
+    D = np.ones((5, 5))
+    # brute force over pairs
+    for t in (0.0, np.median(sq[iu]), 10 * sq.max()):
+        want = np.mean([sq[i, j] >= (1 - 1e-3) * t for i, j in zip(*iu, strict=True)])
+        assert femnist.active_fraction(v, D, t) == pytest.approx(want)
+    assert femnist.active_fraction(v, D, 0.0) == 1.0
+    assert femnist.active_fraction(v, D, 1e9) == 0.0
+
+
+def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
+    summary = femnist.main(
+        ["--quick", "--out", str(tmp_path), "--data-dir", str(shared_data_dir / "femnist")]
+    )
+    for name in (
+        "curves.png",
+        "clients.png",
+        "table.md",
+        "table.csv",
+        "active.csv",
+        "summary.json",
+    ):
+        assert (tmp_path / name).stat().st_size > 0, name
+    with open(tmp_path / "table.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["Local", "FedAvg", "IFCA", "Karula"]
+    for r in rows:
+        acc = float(r["test_acc"])
+        assert 0.0 <= acc <= 100.0
+        assert np.isfinite(float(r["test_acc_2se"]))
+        assert np.isfinite(float(r["train_loss"])) and float(r["train_loss"]) > 0
+        assert int(r["rounds"]) == 10
+    md = (tmp_path / "table.md").read_text()
+    assert "| Karula |" in md and "±" in md
+    assert summary["embedding_converged"]
+    # the three writers are distinct and ordered nearest < farthest from the first
+    a, near, far = summary["three_clients"]["indices"]
+    assert len({a, near, far}) == 3
