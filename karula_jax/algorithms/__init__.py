@@ -2,6 +2,22 @@
 
 Every factory returns an :class:`Algorithm` ``(init, round, client_params)`` (see
 :mod:`karula_jax.algorithms.base`), so all methods run on the same compiled engine.
+One ``init`` key gives the same participants and minibatches in every method.
+
+How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean loss,
+``alpha`` of mean 1, ``F(w) = (1/n) sum_i alpha_i f_i(w)``):
+
+* ``karula(eta)``: ``theta <- P_K(theta - eta nu)`` with ``E[nu_i] = alpha_i g_i / n``.
+  At ``t = 0`` it equals ``fedsgd(memory=True)`` at ``eta / n``; at ``t = inf`` with
+  ``s = n`` it equals ``local`` at ``eta``.
+* ``local(lr)``: ``theta_i <- theta_i - lr alpha_i g_i / n``.
+* ``fedsgd(lr)``: ``w <- w - lr sum_S alpha_i g_i / sum_S alpha_i`` (``memory=True``: the
+  SAGA estimate of ``grad F``). Equals ``fedavg`` at ``lr`` with ``local_steps=1``.
+* ``fedavg(lr)``: ``E`` client steps ``w_i <- w_i - lr g_i``, then the alpha-weighted
+  average. Equals ``ifca`` with one cluster.
+* ``ifca(lr)``: ``fedavg`` inside the cluster each participant picks.
+* ``pfedme(lr)``: ``w_i <- w_i - lr lam (w_i - prox_i(w_i))``, a step on the client's
+  Moreau envelope; the inner solve uses ``personal_learning_rate`` on ``f_i``.
 """
 
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
