@@ -265,3 +265,15 @@ def test_local_partial_participation_step():
     step = lr * alphas(data)[:, None] * (np.einsum("nij,nj->ni", A, theta) - b) / N_CLIENTS
     expected = np.where(part[:, None], np.asarray(theta) - step, np.asarray(theta))
     np.testing.assert_allclose(np.asarray(s1.params), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ifca_cluster_without_participants_keeps_its_model():
+    data = problem().train
+    far = jnp.stack([zeros(), jnp.full((DIM,), 1e3)])  # nobody picks cluster 1
+    alg = ifca(LOSS, num_clusters=2, learning_rate=0.1, clients_per_round=3, batch_size=4,
+               initial_clusters=far)  # fmt: skip
+    state, infos, _ = run(alg, zeros(), data, jax.random.key(22), 20)
+    clusters = np.asarray(state.extra.clusters)
+    np.testing.assert_array_equal(clusters[1], np.asarray(far[1]))
+    assert np.abs(clusters[0]).max() > 0.1  # cluster 0 trained
+    assert np.all(np.asarray(state.extra.assignment) == 0)

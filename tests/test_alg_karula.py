@@ -30,6 +30,7 @@ from karula_jax.algorithms import (
     karula,
     lipschitz_ridge,
     local,
+    radii_squared,
     variance_reduced_direction,
 )
 
@@ -278,3 +279,12 @@ def test_bad_input_raises():
         make(D=np.ones((n + 1, n + 1))).init(zeros(), data, key=jax.random.key(0))
     with pytest.raises(ValueError, match="weights"):
         make(weights=-np.ones(n))
+
+
+def test_radii_convention_zero_times_inf_is_zero():
+    D = jnp.array([[0.0, jnp.inf, 2.0], [jnp.inf, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(radii_squared(0.0, D), np.zeros((3, 3)))
+    r = np.asarray(radii_squared(jnp.inf, D))
+    np.testing.assert_array_equal(r == np.inf, np.asarray(D) > 0)
+    np.testing.assert_array_equal(r[np.asarray(D) == 0], 0.0)
+    np.testing.assert_allclose(radii_squared(1.5, D)[0, 2], 3.0)
