@@ -53,6 +53,7 @@ def test_committed_without_outputs(name):
         assert cell.execution_count is None, f"{name}: code cell {i} has an execution count"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_executes(name, monkeypatch):
     nb = _read(name)
