@@ -11,23 +11,13 @@ from __future__ import annotations
 
 import pathlib
 
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ("01_quickstart.ipynb", "02_projection_and_t.ipynb", "03_femnist.ipynb")
 CELL_TIMEOUT_S = 300  # per cell; the whole small notebook takes well under a minute
-
-# jupyter_client's kernel manager closes its zmq sockets from a finalizer and may leave
-# an unclosed event loop behind when the kernel shuts down; neither concerns the
-# notebooks' code, and both would otherwise become errors under filterwarnings=error.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore:.*event loop.*:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:zmq.*"),
-]
 
 
 def _read(name: str):
