@@ -64,8 +64,12 @@ __all__ = [
     "project",
 ]
 
-METHODS = ("dykstra", "laplacian")
-_CHECK_EVERY = 10  # solver iterations between two certificates
+METHODS = ("dykstra", "laplacian", "dykstra_parallel")
+_CHECK_EVERY = 10  # Dykstra sweeps between two certificates
+# Conjugate-gradient steps per Newton step; fewer for many clients, where one
+# Hessian-vector product costs O(n^3).
+_CG_MAX_ITER = 20
+_CG_MAX_ITER_LARGE = 5
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
 _GRAM_ABOVE = 96
@@ -182,6 +186,8 @@ class _Reduced(NamedTuple):
     mu: jnp.ndarray  # [p] mean of v
     basis: Any  # [p, k] orthonormal columns, or None when k = p
     scale: jnp.ndarray  # [] S = 1/2 sum_i ||v_i - mu||^2
+    count: jnp.ndarray  # [n] component sizes (0 for empty slots)
+    wbar: jnp.ndarray  # [n, p] centred slot values in the original coordinates
 
 
 def _reduce(x, radii_sq):
@@ -206,13 +212,13 @@ def _reduce(x, radii_sq):
     else:
         basis, w = None, wbar
     scale = 0.5 * jnp.sum(xc * xc)
-    return _Reduced(labels, mass, w, radius, mu, basis, scale)
+    return _Reduced(labels, mass, w, radius, mu, basis, scale, count, wbar)
 
 
-def _restore(th, radius):
+def _restore(th, radius, *, gram=False):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds."""
     eps = jnp.finfo(th.dtype).eps
-    d = jnp.sqrt(_sq_dists_exact(th))
+    d = jnp.sqrt(_sq_dists_gram(th) if gram else _sq_dists_exact(th))
     ok = jnp.isfinite(radius) & (d > 0)
     ratio = jnp.where(ok, radius * (1.0 - 4.0 * eps) / jnp.where(ok, d, 1.0), jnp.inf)
     beta = jnp.minimum(1.0, jnp.min(ratio))
@@ -223,67 +229,142 @@ def _primal(th, red):
     return 0.5 * jnp.sum(red.mass[:, None] * (th - red.w) ** 2)
 
 
-def _dual_parts(lam, red, *, gram):
-    """theta(lam), certified g(lam) and the inverse of M + L_lam."""
-    n = lam.shape[0]
-    a = jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam
-    fac = cho_factor(a, lower=True)
-    a_inv = cho_solve(fac, jnp.eye(n, dtype=lam.dtype))
-    rhs = red.mass[:, None] * red.w
-    th = a_inv @ rhs
-    d2 = _sq_dists_gram(th) if gram else _sq_dists_exact(th)
-    fin = jnp.isfinite(red.radius)
-    slack = jnp.where(fin, d2 - jnp.where(fin, red.radius, 0.0) ** 2, 0.0)
-    lag = _primal(th, red) + 0.25 * jnp.sum(lam * slack)
-    # theta is only an approximate minimizer of the Lagrangian; since M + L >= I the
-    # Lagrangian exceeds its minimum by at most 1/2 ||residual||^2.
-    res = rhs - a @ th
-    g = lag - 0.5 * jnp.sum(res * res)
-    return th, g, a_inv, d2
-
-
-def _certify(th, lam, red):
-    """(restored theta, delta) for a primal iterate and a dual iterate."""
-    th = _restore(th, red.radius)
-    _, g, _, _ = _dual_parts(lam, red, gram=False)
-    return th, jnp.maximum(_primal(th, red) - g, 0.0)
-
-
 def _dual_mask(red):
     n = red.radius.shape[0]
     return jnp.isfinite(red.radius) & ~jnp.eye(n, dtype=bool)
 
 
+class _DualEval(NamedTuple):
+    th: jnp.ndarray  # [n, k] theta(lam)
+    g: jnp.ndarray  # [] g(lam) (certified only when built with certify=True)
+    grad: jnp.ndarray  # [n, n] dg/dlam, zero off the constrained pairs
+    chol: jnp.ndarray  # [n, n] lower Cholesky factor of M + L_lam
+    gram: jnp.ndarray  # [n, n] theta theta^T
+
+
+def _dual_eval(lam, red, *, gram, certify=False):
+    """theta(lam), g(lam), its gradient and the factor of M + L_lam."""
+    mask = _dual_mask(red)
+    a = jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam
+    chol, _ = cho_factor(a, lower=True)
+    rhs = red.mass[:, None] * red.w
+    th = cho_solve((chol, True), rhs)
+    gm = th @ th.T
+    if gram:
+        sq = jnp.diag(gm)
+        d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
+    else:
+        d2 = _sq_dists_exact(th)
+    slack = jnp.where(mask, d2 - jnp.where(mask, red.radius, 0.0) ** 2, 0.0)
+    g = _primal(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
+    if certify:
+        # theta is only an approximate minimizer of the Lagrangian; since M + L >= I
+        # the Lagrangian exceeds its minimum by at most 1/2 ||residual||^2.
+        res = rhs - a @ th
+        g = g - 0.5 * jnp.sum(res * res)
+    return _DualEval(th, g, 0.5 * slack, chol, gm)
+
+
+def _delta(th, g, red, *, gram=False):
+    """(restored theta, certified suboptimality) for a primal iterate and a dual bound."""
+    th = _restore(th, red.radius, gram=gram)
+    return th, jnp.maximum(_primal(th, red) - g, 0.0)
+
+
 # ------------------------------------------------------------------------ solvers
 
 
-def _dykstra(red, q0, *, tol, max_iter):
-    """Parallel Dykstra on the merged problem; q0: [m, k] pair increments."""
+def _round_robin(n: int):
+    """Split the pairs i < j into n - 1 (n even) or n (n odd) perfect matchings.
+
+    Returns static arrays ``[rounds, n // 2]``: first and second client, pair index
+    in ``np.triu_indices(n, 1)`` order, and a validity flag (False for the bye).
+    """
+    m = n + n % 2
+    pid = -np.ones((n, n), np.int64)
+    pi, pj = np.triu_indices(n, 1)
+    pid[pi, pj] = np.arange(pi.size)
+    ring = list(range(m))
+    a, b, idx, ok = [], [], [], []
+    for _ in range(m - 1):
+        pairs = [(ring[k], ring[m - 1 - k]) for k in range(m // 2)]
+        pairs = [(min(x, y), max(x, y)) for x, y in pairs]
+        a.append([x if y < n else 0 for x, y in pairs])
+        b.append([y if y < n else 0 for x, y in pairs])
+        idx.append([pid[x, y] if y < n else 0 for x, y in pairs])
+        ok.append([y < n for x, y in pairs])
+        ring = [ring[0], ring[-1], *ring[1:-1]]
+    return tuple(np.asarray(z) for z in (a, b, idx, ok))
+
+
+def _dykstra(red, q0, *, tol, max_iter, parallel):
+    """Dykstra's algorithm on the merged problem; q0: [m, k] pair increments.
+
+    Pair ``(i, j)`` keeps one increment vector ``q_ij``; the primal point is always
+    ``theta_i = w_i - (1 / c) sum_j m_j Q_ij`` (``Q`` antisymmetric), the exact
+    primal-dual relation of Dykstra's method, so any ``q0`` is a valid warm start.
+
+    ``parallel=False`` (default): cyclic Dykstra over the round-robin perfect
+    matchings of the complete graph (``c = 1``); pairs inside a matching are disjoint,
+    so each block projection is the pair kernel vmapped over ``n / 2`` pairs.
+    ``parallel=True``: every pair projects its own copy of the two clients and the
+    ``n - 1`` copies of a client are averaged uniformly (``c = n - 1``), which is the
+    projection onto the consensus set in the product metric.
+    """
     n = red.w.shape[0]
     pi, pj = np.triu_indices(n, 1)
     rp = red.radius[pi, pj]
     mi, mj = red.mass[pi], red.mass[pj]
-    msum = (mi + mj)[:, None]
+    copies = n - 1 if parallel else 1
     q0 = jnp.where(jnp.isfinite(rp)[:, None], q0, 0.0)
 
     def theta_of(q):
-        # Primal-dual relation of Dykstra: theta_i = w_i - 1/(n-1) sum_j m_j Q_ij with
-        # Q antisymmetric; averaging the n-1 pair copies uniformly keeps the metric.
         acc = jax.ops.segment_sum(mj[:, None] * q, pi, n)
         acc = acc - jax.ops.segment_sum(mi[:, None] * q, pj, n)
-        return red.w - acc / (n - 1)
+        return red.w - acc / copies
 
-    def step(_, q):
+    def kernel(ta, tb, q, r, ma, mb):
+        # Pair kernel on (copy of a, copy of b) shifted by the old increment.
+        na, nb = pair_kernel(ta + mb * q, tb - ma * q, r, mass_a=ma, mass_b=mb)
+        return (ta + mb * q - na) / mb
+
+    kernel_v = jax.vmap(kernel)
+
+    def sweep_parallel(_, q):
         th = theta_of(q)
-        d = th[pi] - th[pj] + msum * q
-        norm = jnp.sqrt(jnp.sum(d * d, axis=-1))
-        shrink = jnp.where(norm > rp, 1.0 - rp / jnp.where(norm > 0, norm, 1.0), 0.0)
-        return shrink[:, None] * d / msum
+        return kernel_v(th[pi], th[pj], q, rp, mi, mj)
+
+    rr_a, rr_b, rr_idx, rr_ok = (jnp.asarray(z) for z in _round_robin(n))
+
+    def sweep_cyclic(_, carry):
+        def block(carry, k):
+            th, q = carry
+            a, b, idx, ok = rr_a[k], rr_b[k], rr_idx[k], rr_ok[k]
+            ma, mb = red.mass[a], red.mass[b]
+            r = jnp.where(ok, red.radius[a, b], jnp.inf)
+            q_old = q[idx]
+            q_new = kernel_v(th[a], th[b], q_old, r, ma, mb)
+            q_new = jnp.where(ok[:, None], q_new, q_old)
+            dq = q_old - q_new
+            th = th.at[a].add(mb[:, None] * dq).at[b].add(-ma[:, None] * dq)
+            return (th, q.at[idx].set(q_new)), None
+
+        carry, _ = jax.lax.scan(block, carry, jnp.arange(rr_a.shape[0]))
+        return carry
+
+    def run(q, k):
+        if parallel:
+            return jax.lax.fori_loop(0, k, sweep_parallel, q)
+        # theta is carried inside a cyclic sweep and recomputed from q afterwards, so
+        # rounding never breaks the primal-dual relation.
+        return jax.lax.fori_loop(0, k, sweep_cyclic, (theta_of(q), q))[1]
 
     def lam_of(q, th):
+        # KKT: m_i (theta_i - w_i) + sum_j lam_ij (theta_i - theta_j) = 0, i.e.
+        # lam_ij (theta_i - theta_j) = m_i m_j Q_ij / c at the solution.
         d = th[pi] - th[pj]
         d2 = jnp.sum(d * d, axis=-1)
-        val = mi * mj / (n - 1) * jnp.sum(q * d, axis=-1) / jnp.where(d2 > 0, d2, 1.0)
+        val = mi * mj / copies * jnp.sum(q * d, axis=-1) / jnp.where(d2 > 0, d2, 1.0)
         val = jnp.where(jnp.isfinite(rp) & (d2 > 0), jnp.maximum(val, 0.0), 0.0)
         lam = jnp.zeros((n, n), red.w.dtype).at[pi, pj].set(val)
         return lam + lam.T
@@ -291,7 +372,8 @@ def _dykstra(red, q0, *, tol, max_iter):
     def check(q):
         th = theta_of(q)
         lam = lam_of(q, th)
-        th, delta = _certify(th, lam, red)
+        g = _dual_eval(lam, red, gram=False, certify=True).g
+        th, delta = _delta(th, g, red)
         return th, lam, delta
 
     def cond(c):
@@ -301,7 +383,7 @@ def _dykstra(red, q0, *, tol, max_iter):
     def body(c):
         q, _, _, _, it, _ = c
         k = jnp.minimum(_CHECK_EVERY, max_iter - it)
-        q = jax.lax.fori_loop(0, k, step, q)
+        q = run(q, k)
         th, lam, delta = check(q)
         return q, th, lam, delta, it + k, delta <= tol * red.scale
 
@@ -312,107 +394,159 @@ def _dykstra(red, q0, *, tol, max_iter):
 
 
 def _laplacian(red, lam0, *, tol, max_iter):
-    """Projected dual ascent on the n x n multipliers.
+    r"""Projected Newton (two-metric, Newton-CG) ascent on the n x n multipliers.
 
-    The search direction of pair ``(c, d)`` is the exact maximizer of the dual along
-    that coordinate alone, ``(||theta_c - theta_d|| / R_cd - 1) / e_cd`` with ``e_cd``
-    the effective resistance ``b^T (M + L)^{-1} b``; the step length along the
-    projected path ``max(0, lam + a * dir)`` is chosen by Armijo backtracking, so the
-    dual value increases monotonically.
+    The dual ``g(lam)`` is concave with gradient ``(||theta_i - theta_j||^2 - R_ij^2)/2``
+    and Hessian ``-(B^T (M + L)^{-1} B) o (B^T theta)(B^T theta)^T`` (``B`` the pair
+    incidence matrix, ``o`` the entrywise product). A Hessian-vector product costs one
+    Laplacian product, one multiplication by ``(M + L)^{-1}`` and one Gram product,
+    ``O(n^2 k)``, so no pair-by-pair or per-pair-vector storage is needed. Pairs at
+    the bound that the diagonal Newton step would push below zero take that scaled
+    gradient step (to 0); the others take a Newton step solved by preconditioned CG;
+    an Armijo search along the projected path keeps the ascent monotone.
     """
     n = red.w.shape[0]
     gram = n > _GRAM_ABOVE
+    cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
     mask = _dual_mask(red)
-    rad = jnp.where(mask, red.radius, 1.0)
-    lam0 = jnp.where(mask, jnp.maximum(lam0, 0.0), 0.0)
-    lam0 = 0.5 * (lam0 + lam0.T)
-    evaluate = functools.partial(_dual_parts, red=red, gram=gram)
+    tiny = jnp.finfo(red.w.dtype).tiny
+    eps = jnp.finfo(red.w.dtype).eps
+    lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
+    evaluate = functools.partial(_dual_eval, red=red, gram=gram)
+    pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
 
-    def direction(lam, a_inv, d2):
-        dg = jnp.diag(a_inv)
-        res = dg[:, None] + dg[None, :] - 2.0 * a_inv
-        res = jnp.where(mask, jnp.maximum(res, 1e-30), 1.0)
-        dirn = (jnp.sqrt(d2) / rad - 1.0) / res
-        grad = 0.5 * (d2 - rad**2)
-        dirn = jnp.where(mask & ~((lam <= 0) & (dirn < 0)), dirn, 0.0)
-        return dirn, jnp.where(mask, grad, 0.0)
+    def kkt(lam, ev):
+        rel = 2.0 * ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
+        return jnp.max(jnp.where(mask, jnp.where(lam > 0, jnp.abs(rel), rel), 0.0))
 
-    def line_search(lam, g, grad, dirn, a0):
-        def trial(a):
-            new = jnp.maximum(lam + a * dirn, 0.0)
-            th, g_new, a_inv, d2 = evaluate(new)
-            gain = 0.5 * jnp.sum(grad * (new - lam))
-            ok = g_new >= g + 1e-4 * gain
-            return new, th, g_new, a_inv, d2, ok
+    def hvp(ev, a_inv, x):
+        # (B^T A^-1 B o (B^T th)(B^T th)^T) x = pair differences of A^-1 L_x th th^T
+        yt = a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
+        dg = jnp.diag(yt)
+        return jnp.where(mask, dg[:, None] + dg[None, :] - yt - yt.T, 0.0)
+
+    def direction(lam, ev):
+        a_inv = cho_solve((ev.chol, True), jnp.eye(n, dtype=lam.dtype))
+        da = jnp.diag(a_inv)
+        d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
+        hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
+        mu = eps * jnp.max(hdiag) + tiny
+        pre = hdiag + mu
+        diag_step = ev.grad / pre
+        active = mask & (ev.grad < 0) & (lam + diag_step <= 0)
+        free = mask & ~active
+        b = jnp.where(free, ev.grad, 0.0)
+        op = lambda x: jnp.where(free, hvp(ev, a_inv, x) + mu * x, 0.0)
+        s = _pcg(op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter)
+        newton = jnp.where(free, s, jnp.where(active, diag_step, 0.0))
+        return newton, jnp.where(mask, diag_step, 0.0)
+
+    def line_search(lam, ev, s):
+        def trial(alpha):
+            new = jnp.maximum(lam + alpha * s, 0.0)
+            ev_new = evaluate(new)
+            gain = pdot(ev.grad, new - lam)
+            ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
+            # Near the solution the gain drops below the float resolution of g: there a
+            # step is accepted when it reduces the relative KKT residual instead.
+            flat = gain <= 64.0 * eps * jnp.abs(ev.g)
+            ok = ok | (flat & (kkt(new, ev_new) < kkt(lam, ev)))
+            return new, ev_new, ok
 
         def cond(c):
-            a, k, out = c
-            return (~out[-1]) & (k < 30)
+            return (~c[3]) & (c[4] < 30)
 
         def body(c):
-            a, k, _ = c
-            a = 0.5 * a
-            return a, k + 1, trial(a)
+            alpha = 0.5 * c[0]
+            new, ev_new, ok = trial(alpha)
+            return alpha, new, ev_new, ok, c[4] + 1
 
-        a, _, out = jax.lax.while_loop(cond, body, (a0, 0, trial(a0)))
-        return a, out
+        new, ev_new, ok = trial(1.0)
+        out = jax.lax.while_loop(cond, body, (1.0, new, ev_new, ok, 0))
+        return out[1], out[2], out[3]
 
     def cond(c):
-        return (~c["done"]) & (c["it"] < max_iter)
+        return (~c[4]) & (c[3] < max_iter)
 
     def body(c):
-        def one(_, s):
-            dirn, grad = direction(s["lam"], s["a_inv"], s["d2"])
-            a, (lam, th, g, a_inv, d2, ok) = line_search(s["lam"], s["g"], grad, dirn, s["a"])
-            keep = lambda new, old: jnp.where(ok, new, old)
-            return dict(
-                lam=keep(lam, s["lam"]),
-                th=keep(th, s["th"]),
-                g=keep(g, s["g"]),
-                a_inv=keep(a_inv, s["a_inv"]),
-                d2=keep(d2, s["d2"]),
-                a=jnp.minimum(2.0 * a, 1.0),
-            )
+        lam, ev, _, it, _, _ = c
+        s, s_diag = direction(lam, ev)
+        new, ev_new, ok = line_search(lam, ev, s)
+        # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
+        new, ev_new, ok = jax.lax.cond(
+            ok, lambda: (new, ev_new, ok), lambda: line_search(lam, ev, s_diag)
+        )
+        lam = jnp.where(ok, new, lam)
+        ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
+        _, delta = _delta(ev.th, ev.g, red, gram=gram)
+        # A failed line search means float precision is exhausted: stop there.
+        return lam, ev, delta, it + 1, (delta <= tol * red.scale) | ~ok, ok
 
-        k = jnp.minimum(_CHECK_EVERY, max_iter - c["it"])
-        s = jax.lax.fori_loop(0, k, one, c["s"])
-        th, delta = _certify(s["th"], s["lam"], red)
-        return dict(s=s, th_out=th, delta=delta, it=c["it"] + k, done=delta <= tol * red.scale)
+    ev = evaluate(lam0)
+    _, delta = _delta(ev.th, ev.g, red, gram=gram)
+    init = (lam0, ev, delta, jnp.int32(0), delta <= tol * red.scale, jnp.array(True))
+    lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
+    th, delta = _delta(ev.th, evaluate(lam, certify=True).g, red)
+    return th, lam, delta, it, delta <= tol * red.scale
 
-    th, g, a_inv, d2 = evaluate(lam0)
-    s = dict(lam=lam0, th=th, g=g, a_inv=a_inv, d2=d2, a=jnp.asarray(1.0, lam0.dtype))
-    th_out, delta = _certify(th, lam0, red)
-    init = dict(s=s, th_out=th_out, delta=delta, it=jnp.int32(0), done=delta <= tol * red.scale)
-    c = jax.lax.while_loop(cond, body, init)
-    return c["th_out"], c["s"]["lam"], c["delta"], c["it"], c["done"]
+
+def _pcg(op, b, pre, dot, *, rtol, max_iter):
+    """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD)."""
+    x = jnp.zeros_like(b)
+    z = b / pre
+    stop = (rtol**2) * dot(b, b)
+
+    def cond(c):
+        _, r, _, _, k = c
+        return (dot(r, r) > stop) & (k < max_iter)
+
+    def body(c):
+        x, r, p, rz, k = c
+        ap = op(p)
+        alpha = rz / jnp.maximum(dot(p, ap), jnp.finfo(b.dtype).tiny)
+        x = x + alpha * p
+        r = r - alpha * ap
+        z = r / pre
+        rz_new = dot(r, z)
+        p = z + (rz_new / jnp.maximum(rz, jnp.finfo(b.dtype).tiny)) * p
+        return x, r, p, rz_new, k + 1
+
+    return jax.lax.while_loop(cond, body, (x, b, z, dot(b, z), 0))[0]
 
 
 # ------------------------------------------------------------------------ driver
 
 
-@functools.partial(jax.jit, static_argnames=("method", "tol", "max_iter"))
-def _project_flat(x, radii_sq, state, *, method, tol, max_iter):
-    """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info)."""
+@functools.partial(jax.jit, static_argnames=("method",))
+def _project_flat(x, radii_sq, state, tol, max_iter, *, method):
+    """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
+
+    ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
+    """
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     n, p = x.shape
     dtype = x.dtype
     red = _reduce(x, radii_sq)
-    # Radii of the slots back to the original clients' lam indices is not needed: the
-    # dual state lives on slots, which coincide with clients when no radius is zero.
-    if method == "dykstra":
+    if method.startswith("dykstra"):
         q0 = state.pair_dual.astype(dtype)
         if red.basis is not None:
             q0 = q0 @ red.basis
-        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter)
+        th, lam, q, delta, it, done = _dykstra(
+            red, q0, tol=tol, max_iter=max_iter, parallel=method == "dykstra_parallel"
+        )
         pair_dual = q if red.basis is None else q @ red.basis.T
     else:
         th, lam, delta, it, done = _laplacian(
             red, state.lam.astype(dtype), tol=tol, max_iter=max_iter
         )
         pair_dual = jnp.zeros((0, p), dtype)
-    slots = th if red.basis is None else th @ red.basis.T
-    out = (slots + red.mu)[red.labels]
+    # Add the (small) move to v itself, so that clients that do not move come back
+    # bit for bit; merged clients take their component's mean plus the move.
+    move = th - red.w
+    move = move if red.basis is None else move @ red.basis.T
+    alone = (red.count[red.labels] == 1)[:, None]
+    out = jnp.where(alone, x, red.mu + red.wbar[red.labels]) + move[red.labels]
     r = jnp.sqrt(jnp.maximum(radii_sq.astype(dtype), 0.0))
     fin = jnp.isfinite(r) & ~jnp.eye(n, dtype=bool)
     viol = jnp.where(fin, jnp.sqrt(_sq_dists_exact(out)) - jnp.where(fin, r, 0.0), 0.0)
@@ -529,7 +663,7 @@ def init_projection_state(v, radii_sq=None, *, personalized=None, method="dykstr
         raise ValueError(f"radii_sq: expected shape ({n}, {n}), got {jnp.shape(radii_sq)}")
     p = _flat_dim(leaves, mask)
     dtype = _flat_dtype(leaves, mask)
-    m = n * (n - 1) // 2 if method == "dykstra" else 0
+    m = n * (n - 1) // 2 if method.startswith("dykstra") else 0
     return ProjectionState(lam=jnp.zeros((n, n), dtype), pair_dual=jnp.zeros((m, p), dtype))
 
 
@@ -617,7 +751,12 @@ def project(
         return jax.tree.unflatten(treedef, out), info
     flat = jnp.concatenate([jnp.reshape(x, (n, -1)).astype(dtype) for x in pers], axis=1)
     theta, info = _project_flat(
-        flat, jnp.asarray(radii_sq), state, method=method, tol=float(tol), max_iter=int(max_iter)
+        flat,
+        jnp.asarray(radii_sq),
+        state,
+        jnp.asarray(tol, dtype),
+        jnp.asarray(max_iter, jnp.int32),
+        method=method,
     )
     start = 0
     for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):

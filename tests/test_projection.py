@@ -1,27 +1,272 @@
-"""Tests of karula_jax.projection against cvxpy (Clarabel) and closed forms."""
+"""Tests of karula_jax.projection against cvxpy (Clarabel) and closed forms.
 
+Accuracy claims are checked in float64 (``jax.enable_x64``), where the certificate is
+exact to ~1e-13 of the problem scale; float32 tests check the default path with
+tolerances that float32 can honestly reach.
+"""
+
+import cvxpy as cp
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from karula_jax import projection as proj
 
+SOLVERS = ("dykstra", "laplacian")
 
-def _instance(seed, n, p, t):
+
+def _instance(seed, n, p, kind="groups"):
+    """Random models and squared radii with many active constraints."""
     rng = np.random.default_rng(seed)
     centres = 2.0 * rng.normal(size=(3, p))
     groups = rng.integers(0, 3, n)
     v = centres[groups] + rng.normal(size=(n, p))
     dist = np.linalg.norm(centres[groups][:, None] - centres[groups][None], axis=-1) + 0.5
-    return v, t * dist
+    radii_sq = 0.5 * dist
+    if kind == "uneven":  # radii spread over four orders of magnitude
+        u = 10.0 ** rng.uniform(-3, 1, size=(n, n))
+        radii_sq = np.minimum(u, u.T)
+    elif kind == "zeros":  # two zero-radius chains plus some unconstrained pairs
+        radii_sq[0, 1] = radii_sq[1, 0] = 0.0
+        radii_sq[1, 2] = radii_sq[2, 1] = 0.0
+        radii_sq[3, 4] = radii_sq[4, 3] = 0.0
+        radii_sq[5, 6] = radii_sq[6, 5] = np.inf
+    np.fill_diagonal(radii_sq, 0.0)
+    return v, radii_sq
 
 
-@pytest.mark.parametrize("method", proj.METHODS)
+def _cvxpy(v, radii_sq):
+    n, p = v.shape
+    th = cp.Variable((n, p))
+    cons = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            if radii_sq[i, j] == 0:
+                cons.append(th[i] == th[j])
+            elif np.isfinite(radii_sq[i, j]):
+                cons.append(cp.norm(th[i] - th[j]) <= np.sqrt(radii_sq[i, j]))
+    prob = cp.Problem(cp.Minimize(0.5 * cp.sum_squares(th - v)), cons)
+    prob.solve(solver=cp.CLARABEL, tol_gap_abs=1e-9, tol_gap_rel=1e-9, tol_feas=1e-9)
+    return th.value, prob.value
+
+
+def _objective(th, v):
+    return 0.5 * float(np.sum((np.asarray(th, np.float64) - v) ** 2))
+
+
+def _max_violation(th, radii_sq):
+    th = np.asarray(th, np.float64)
+    d = np.linalg.norm(th[:, None] - th[None], axis=-1)
+    with np.errstate(invalid="ignore"):
+        viol = np.where(np.isfinite(radii_sq), d - np.sqrt(radii_sq), 0.0)
+    np.fill_diagonal(viol, 0.0)
+    return max(float(viol.max()), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["groups", "uneven", "zeros"])
+@pytest.mark.parametrize("method", SOLVERS)
+def test_matches_cvxpy_float64(method, kind):
+    v, radii_sq = _instance(1, 8, 5, kind)
+    ref, ref_val = _cvxpy(v, radii_sq)
+    with jax.enable_x64(True):
+        th, info = proj.project(
+            jnp.asarray(v), jnp.asarray(radii_sq), method=method, tol=1e-12, max_iter=20000
+        )
+        th = np.asarray(th)
+    assert th.dtype == np.float64 and bool(info.converged)
+    np.testing.assert_allclose(th, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
+    subopt = _objective(th, v) - ref_val
+    # delta certifies the suboptimality (up to cvxpy's own accuracy, ~1e-9 of the scale)
+    assert float(info.delta) >= subopt - 2e-9 * scale
+    assert float(info.delta) <= 1e-12 * scale * 1.001
+    assert _max_violation(th, radii_sq) <= 1e-12 * np.sqrt(np.nanmax(radii_sq))
+    assert float(info.max_violation) <= 1e-12 * np.sqrt(np.nanmax(radii_sq))
+
+
+def test_zero_radii_merge_clients_exactly():
+    v, radii_sq = _instance(2, 8, 5, "zeros")
+    for method in SOLVERS:
+        th, _ = proj.project(
+            jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq), method=method, max_iter=5000
+        )
+        th = np.asarray(th)
+        assert np.array_equal(th[0], th[1]) and np.array_equal(th[1], th[2])
+        assert np.array_equal(th[3], th[4])
+
+
+def test_p_larger_than_n_and_solvers_agree_float64():
+    # p > n exercises the rotation onto the span of the models.
+    v, radii_sq = _instance(3, 6, 40, "groups")
+    ref, ref_val = _cvxpy(v, radii_sq)
+    with jax.enable_x64(True):
+        outs = [
+            proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method=m, tol=1e-12, max_iter=20000)
+            for m in SOLVERS
+        ]
+    (th_d, info_d), (th_l, info_l) = outs
+    np.testing.assert_allclose(th_d, th_l, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(th_l, ref, atol=1e-5 * np.abs(ref).max())
+    assert bool(info_d.converged) and bool(info_l.converged)
+
+
+@pytest.mark.parametrize("method", SOLVERS)
+def test_float32_default_path(method):
+    v, radii_sq = _instance(4, 8, 5, "groups")
+    ref, ref_val = _cvxpy(v, radii_sq)
+    th, info = proj.project(
+        jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq, jnp.float32), max_iter=5000
+    )
+    scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
+    assert bool(info.converged) and float(info.rel_delta) <= 1e-6
+    # float32: the certificate itself is exact only to a few 1e-7 of the scale
+    subopt = _objective(th, v) - ref_val
+    assert float(info.delta) >= subopt - 1e-6 * scale
+    assert subopt <= 2e-6 * scale
+    np.testing.assert_allclose(th, ref, atol=1e-3 * np.abs(ref).max())
+    rmax = np.sqrt(radii_sq.max())
+    assert float(info.rel_violation) <= 1e-6
+    assert _max_violation(th, radii_sq) <= 1e-6 * rmax
+
+
+def test_delta_bounds_suboptimality_of_inexact_solutions():
+    v, radii_sq = _instance(5, 8, 5, "groups")
+    _, ref_val = _cvxpy(v, radii_sq)
+    with jax.enable_x64(True):
+        for method, its in (("dykstra", (10, 30)), ("laplacian", (1, 3))):
+            for max_iter in its:
+                th, info = proj.project(
+                    jnp.asarray(v), jnp.asarray(radii_sq), method=method, max_iter=max_iter
+                )
+                assert not bool(info.converged)
+                subopt = _objective(th, v) - ref_val
+                assert subopt > 0 and float(info.delta) >= subopt
+                assert _max_violation(th, radii_sq) <= 1e-12
+
+
+def test_dykstra_parallel_variant():
+    v, radii_sq = _instance(6, 5, 3, "groups")
+    ref, _ = _cvxpy(v, radii_sq)
+    with jax.enable_x64(True):
+        th, info = proj.project(
+            jnp.asarray(v),
+            jnp.asarray(radii_sq),
+            method="dykstra_parallel",
+            tol=1e-11,
+            max_iter=20000,
+        )
+    assert bool(info.converged)
+    np.testing.assert_allclose(th, ref, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("method", SOLVERS)
 def test_t_zero_collapses_to_mean_and_inf_is_identity(method):
-    v, radii_sq = _instance(0, 6, 4, 1.0)
-    th, info = proj.project(jnp.asarray(v, jnp.float32), jnp.zeros((6, 6)), method=method)
+    v, _ = _instance(0, 8, 5)
+    vj = jnp.asarray(v, jnp.float32)
+    th, info = proj.project(vj, jnp.zeros((8, 8)), method=method)
     np.testing.assert_allclose(th, np.broadcast_to(v.mean(0), v.shape), atol=1e-5)
-    assert float(info.max_violation) == 0.0
-    th, info = proj.project(jnp.asarray(v, jnp.float32), jnp.full((6, 6), jnp.inf), method=method)
-    np.testing.assert_allclose(th, v, atol=1e-5)
+    assert float(info.max_violation) == 0.0 and bool(info.converged)
+    th, info = proj.project(vj, jnp.full((8, 8), jnp.inf), method=method)
+    np.testing.assert_array_equal(th, vj)
     assert int(info.iterations) == 0 and bool(info.converged)
+    # huge finite radii: nothing moves either
+    th, info = proj.project(vj, jnp.full((8, 8), 1e30), method=method)
+    np.testing.assert_allclose(th, v, atol=1e-5)
+
+
+def test_pair_kernel_closed_form():
+    a, b = jnp.array([3.0, 0.0]), jnp.array([-1.0, 0.0])
+    a2, b2 = proj.pair_kernel(a, b, 2.0)
+    np.testing.assert_allclose(a2, [2.0, 0.0]) and np.testing.assert_allclose(b2, [0.0, 0.0])
+    a2, b2 = proj.pair_kernel(a, b, 2.0, mass_a=3.0, mass_b=1.0)  # heavy end moves less
+    np.testing.assert_allclose(a2, [2.5, 0.0]) and np.testing.assert_allclose(b2, [0.5, 0.0])
+    a2, b2 = proj.pair_kernel(a, b, 5.0)
+    np.testing.assert_array_equal(a2, a) and np.testing.assert_array_equal(b2, b)
+
+
+def test_personalized_and_shared_leaves():
+    v, radii_sq = _instance(7, 8, 5, "groups")
+    mask = {"w": True, "b": False}
+    with jax.enable_x64(True):
+        tree = {"w": jnp.asarray(v[:, :4].reshape(8, 2, 2)), "b": jnp.asarray(v[:, 4:])}
+        th, _ = proj.project(tree, jnp.asarray(radii_sq), personalized=mask, tol=1e-12)
+        ref = proj.project(jnp.asarray(v[:, :4]), jnp.asarray(radii_sq), tol=1e-12)[0]
+        both, _ = proj.project(tree, jnp.asarray(radii_sq), method="laplacian", tol=1e-12)
+    np.testing.assert_allclose(th["b"], np.broadcast_to(v[:, 4:].mean(0), (8, 1)), atol=1e-12)
+    np.testing.assert_allclose(np.asarray(th["w"]).reshape(8, 4), ref, atol=1e-8)
+    # all leaves personalized: one joint norm, same as the flat problem
+    flat_ref, _ = _cvxpy(v, radii_sq)
+    joint = np.concatenate([np.asarray(both["w"]).reshape(8, 4), both["b"]], axis=1)
+    np.testing.assert_allclose(joint, flat_ref, atol=1e-5 * np.abs(flat_ref).max())
+
+
+@pytest.mark.parametrize("method", SOLVERS)
+def test_warm_start_from_neighbouring_problem(method):
+    v, radii_sq = _instance(8, 8, 5, "groups")
+    v2 = v + 0.01 * np.random.default_rng(0).normal(size=v.shape)
+    with jax.enable_x64(True):
+        kw = dict(method=method, tol=1e-10, max_iter=20000)
+        _, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), **kw)
+        cold, info_cold = proj.project(jnp.asarray(v2), jnp.asarray(radii_sq), **kw)
+        warm, info_warm = proj.project(
+            jnp.asarray(v2), jnp.asarray(radii_sq), warm_start=info.state, **kw
+        )
+    assert bool(info_cold.converged) and bool(info_warm.converged)
+    assert int(info_warm.iterations) < int(info_cold.iterations)
+    np.testing.assert_allclose(warm, cold, atol=1e-5 * np.abs(cold).max())
+
+
+def test_compiles_once_and_runs_in_jit_scan_vmap():
+    v, radii_sq = _instance(9, 8, 5, "groups")
+    vj, rj = jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq, jnp.float32)
+    proj.project(vj, rj)
+    before = proj._TRACE_COUNT
+    for scale in (1.0, 2.0, 3.0):
+        proj.project(vj * scale, rj * scale)
+    assert proj._TRACE_COUNT == before
+
+    # inside lax.scan, carrying the warm start (what a training loop does)
+    state0 = proj.init_projection_state(vj, rj)
+
+    def step(state, shift):
+        th, info = proj.project(vj + shift, rj, warm_start=state, max_iter=5000)
+        return info.state, (th, info.iterations)
+
+    shifts = 0.01 * jnp.arange(3.0)[:, None, None] * jnp.ones((3, 8, 5))
+    _, (ths, its) = jax.jit(lambda s: jax.lax.scan(step, s, shifts))(state0)
+    direct, _ = proj.project(vj + shifts[2], rj, max_iter=5000)
+    # both certified to delta <= 1e-6 S, hence within sqrt(2e-6 S) of the projection
+    np.testing.assert_allclose(ths[2], direct, atol=1e-3)
+    assert int(its[2]) <= int(its[0])
+
+    # vmapped over a batch of problems with traced radii
+    batch = jnp.stack([vj, 2.0 * vj])
+    ths, infos = jax.vmap(lambda x, r: proj.project(x, r, method="laplacian"))(
+        batch, jnp.stack([rj, 4.0 * rj])
+    )
+    np.testing.assert_allclose(ths[1], 2.0 * ths[0], rtol=1e-4, atol=1e-4)
+    assert bool(jnp.all(infos.converged))
+
+
+def test_bad_input_raises():
+    v, radii_sq = _instance(10, 4, 3, "groups")
+    vj = jnp.asarray(v, jnp.float32)
+    bad = {
+        "negative": np.where(np.eye(4) > 0, 0.0, -radii_sq),
+        "NaN": np.where(np.eye(4) > 0, 0.0, np.nan),
+        "symmetric": radii_sq + np.triu(np.ones((4, 4)), 1),
+    }
+    for word, r in bad.items():
+        with pytest.raises(ValueError, match=word):
+            proj.project(vj, jnp.asarray(r))
+    with pytest.raises(ValueError, match="shape"):
+        proj.project(vj, jnp.ones((3, 3)))
+    with pytest.raises(ValueError, match="personalized"):
+        proj.project({"a": vj, "b": vj}, radii_sq, personalized={"a": True})
+    with pytest.raises(ValueError, match="client axis"):
+        proj.project({"a": vj, "b": vj[:3]}, jnp.ones((4, 4)))
+    with pytest.raises(ValueError, match="method"):
+        proj.project(vj, radii_sq, method="pocs")
+    with pytest.raises(ValueError, match="warm_start"):
+        proj.project(vj, radii_sq, warm_start=proj.init_projection_state(vj[:3]))
