@@ -212,10 +212,11 @@ def _data_fingerprint(data) -> str:
     """Shapes and dtypes of every data leaf plus a hash of small integer leaves (counts)."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(data):
-        a = np.asarray(jax.device_get(leaf))
-        h.update(f"{a.shape}{a.dtype}".encode())
-        if np.issubdtype(a.dtype, np.integer) and a.size <= 1_000_000:
-            h.update(np.ascontiguousarray(a).tobytes())
+        shape, dtype = np.shape(leaf), np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+        h.update(f"{shape}{dtype}".encode())
+        # Only small integer leaves (the counts) are read back: feature arrays stay put.
+        if np.issubdtype(dtype, np.integer) and int(np.prod(shape)) <= 100_000:
+            h.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
     return h.hexdigest()
 
 
@@ -656,7 +657,8 @@ def run(
                         if np.ndim(info.finite[bad]) > 0
                         else ""
                     )
-                    last = "none" if ckpt_path is None else f"{done} rounds in {ckpt_path}"
+                    saved = ckpt_path is not None and os.path.isfile(ckpt_path)
+                    last = f"{done} rounds in {ckpt_path}" if saved else "none"
                     err = FloatingPointError(
                         f"round {done + bad} (0-based; {done + bad + 1} rounds started) "
                         f"produced a non-finite loss, gradient or parameter{which}. Run "
@@ -672,11 +674,12 @@ def run(
                 last_metrics = evaluate(state, done)
             if ckpt_path is not None:
                 t1 = time.perf_counter()
+                info_parts[:] = [_stack_infos(info_parts)]  # keep one array per field
                 save_checkpoint(
                     ckpt_path,
                     state,
                     rounds_done=done,
-                    info=_stack_infos(info_parts),
+                    info=info_parts[0],
                     metrics=_stack_metrics(metric_history),
                     metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
                     extra_meta=ckpt_meta,
@@ -791,7 +794,7 @@ def run_many(
     data_per_seed: bool = False,
     eval_fn: EvalFn | None = None,
     eval_data: Any = None,
-    eval_data_per_seed: bool | None = None,
+    eval_data_per_seed: bool = False,
     **run_kwargs,
 ) -> RunResult:
     """Seeds x hyperparameter grid as one compiled program per chunk.
@@ -812,8 +815,8 @@ def run_many(
       eval_fn: per-run ``eval_fn(client_params, eval_data) -> dict``; it is vmapped, so
         metric arrays come back as ``[num_evals, S, G, ...]``.
       eval_data: per-run evaluation data (default ``data``).
-      eval_data_per_seed: ``eval_data`` has a leading seed axis (default:
-        ``data_per_seed`` when ``eval_data`` is None... or given explicitly).
+      eval_data_per_seed: ``eval_data`` has a leading seed axis. Ignored when
+        ``eval_data`` is None (then it follows ``data_per_seed``).
       **run_kwargs: passed to :func:`run` (``chunk_size``, ``checkpoint_dir``, ``resume``,
         ``on_nonfinite``, ``mesh``, ``progress``...).
 
