@@ -187,18 +187,19 @@ def test_pair_kernel_closed_form():
 
 def test_personalized_and_shared_leaves():
     v, radii_sq = _instance(7, 8, 5, "groups")
+    shared = np.random.default_rng(1).normal(size=(8, 2))
     mask = {"w": True, "b": False}
     with jax.enable_x64(True):
-        tree = {"w": jnp.asarray(v[:, :4].reshape(8, 2, 2)), "b": jnp.asarray(v[:, 4:])}
+        tree = {"w": jnp.asarray(v), "b": jnp.asarray(shared)}
         th, _ = proj.project(tree, jnp.asarray(radii_sq), personalized=mask, tol=1e-12)
-        ref = proj.project(jnp.asarray(v[:, :4]), jnp.asarray(radii_sq), tol=1e-12)[0]
-        both, _ = proj.project(tree, jnp.asarray(radii_sq), method="laplacian", tol=1e-12)
-    np.testing.assert_allclose(th["b"], np.broadcast_to(v[:, 4:].mean(0), (8, 1)), atol=1e-12)
-    np.testing.assert_allclose(np.asarray(th["w"]).reshape(8, 4), ref, atol=1e-8)
-    # all leaves personalized: one joint norm, same as the flat problem
-    flat_ref, _ = _cvxpy(v, radii_sq)
-    joint = np.concatenate([np.asarray(both["w"]).reshape(8, 4), both["b"]], axis=1)
-    np.testing.assert_allclose(joint, flat_ref, atol=1e-5 * np.abs(flat_ref).max())
+        # all leaves personalized: one joint norm over both leaves
+        split = {"w": jnp.asarray(v[:, :3].reshape(8, 3, 1)), "b": jnp.asarray(v[:, 3:])}
+        both, _ = proj.project(split, jnp.asarray(radii_sq), method="laplacian", tol=1e-12)
+    ref, _ = _cvxpy(v, radii_sq)
+    np.testing.assert_allclose(th["b"], np.broadcast_to(shared.mean(0), (8, 2)), atol=1e-12)
+    np.testing.assert_allclose(th["w"], ref, atol=1e-5 * np.abs(ref).max())
+    joint = np.concatenate([np.asarray(both["w"]).reshape(8, 3), both["b"]], axis=1)
+    np.testing.assert_allclose(joint, ref, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("method", SOLVERS)
