@@ -8,6 +8,11 @@ with :func:`karula_jax.embedding.dissimilarities`, and prints ``D`` (rounded), w
 Sinkhorn solve converged, the rank (Spearman) correlation of ``D`` with the true model distances
 ``||theta_i* - theta_j*||^2`` and with exact pairwise W1 (POT), and mean ``D`` within and
 between the groups.
+
+Expected (seed 0, epsilon 1.0): every solve converged (about 90 iterations); Spearman with
+exact W1 about 0.98; with the true model distances about 0.53, the same as exact W1 itself
+(about 0.56): with 10-100 samples in 51 dimensions, data distances track model distances only
+loosely. At epsilon 1.0 the entropic blur shrinks the maps, so D is about half of W1 in size.
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-clients", type=int, default=30)
     parser.add_argument("--num-reference", type=int, default=100)
-    parser.add_argument("--epsilon", type=float, default=0.05)
+    # The library default (0.05) is calibrated on FEMNIST. These clients' joint space is
+    # dominated by the response (a nearly 1-D, degenerate W1 problem): Sinkhorn needs ~40x
+    # more iterations there at 0.05, while 1.0 ranks pairs as well (results/bench/embedding.md).
+    parser.add_argument("--epsilon", type=float, default=1.0)
     args = parser.parse_args(argv)
 
     data = synthetic_ridge(args.seed, num_clients=args.num_clients)

@@ -106,7 +106,7 @@ def test_plans_marginals_and_maps(ridge):
     threshold = 1e-3
     joint = embedding.joint_samples(ridge.train)
     counts = np.asarray(ridge.train.counts)
-    ref = embedding.gaussian_reference(joint, counts, num_reference=30, key=KEY)
+    ref = embedding.gaussian_reference(joint, counts, num_reference=40, key=KEY)
     out = embedding.embed(joint, counts, ref, epsilon=0.05, threshold=threshold)
     assert bool(out.converged.all())
     plans = np.asarray(out.plans, np.float64)
@@ -115,12 +115,12 @@ def test_plans_marginals_and_maps(ridge):
         # ott stops when the client-side L1 marginal error is below the threshold; its last
         # update fits the reference side exactly (up to float32 rounding).
         assert np.abs(plans[i].sum(0) - b).sum() <= 1.05 * threshold
-        np.testing.assert_allclose(plans[i].sum(1), 1 / 30, atol=1e-6)
+        np.testing.assert_allclose(plans[i].sum(1), 1 / 40, atol=1e-6)
         assert (plans[i][:, c:] == 0).all()
         np.testing.assert_allclose(
-            out.maps[i], 30 * plans[i] @ np.asarray(joint[i], np.float64), rtol=1e-4, atol=1e-4
+            out.maps[i], 40 * plans[i] @ np.asarray(joint[i], np.float64), rtol=1e-4, atol=1e-4
         )
-    assert np.asarray(out.marginal_error).max() <= 1.05 * threshold + 30 * 1e-6
+    assert np.asarray(out.marginal_error).max() <= 1.05 * threshold + 40 * 1e-6
 
 
 def test_small_epsilon_plan_cost_matches_exact_w1():
@@ -143,14 +143,14 @@ def test_small_epsilon_plan_cost_matches_exact_w1():
     assert -1e-3 < gaps[1] < 0.01 * exact
 
 
-def test_padding_changes_nothing(ridge):
+def test_padding_changes_nothing(ridge, ridge_d):
     tr = ridge.train
     counts = np.asarray(tr.counts)
     xs = [np.asarray(tr.x[i, :c]) for i, c in enumerate(counts)]
     ys = [np.asarray(tr.y[i, :c]) for i, c in enumerate(counts)]
     padded = from_client_arrays(xs, ys, max_count=tr.max_count + 17)
-    d0, info0 = embedding.dissimilarities(tr, key=KEY, num_reference=20)
-    d1, info1 = embedding.dissimilarities(padded, key=KEY, num_reference=20)
+    d0, info0 = ridge_d
+    d1, info1 = embedding.dissimilarities(padded, key=KEY, num_reference=40)
     np.testing.assert_allclose(info1.reference, info0.reference, atol=1e-5)
     np.testing.assert_allclose(info1.embeddings, info0.embeddings, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(d1, d0, rtol=1e-4, atol=1e-5)
@@ -218,11 +218,11 @@ def test_gaussian_reference_is_federated_average():
 
 def test_compiles_once_for_same_shapes(ridge):
     tr = ridge.train
-    embedding.dissimilarities(tr, key=KEY, num_reference=20)
+    embedding.dissimilarities(tr, key=KEY, num_reference=40)
     before = embedding._TRACE_COUNT["embed"]
     other = ClientData(tr.x * 1.5 + 0.1, tr.y - 2.0, tr.counts)
     for k in range(2):
-        embedding.dissimilarities(other, key=jax.random.PRNGKey(k), num_reference=20, epsilon=0.1)
+        embedding.dissimilarities(other, key=jax.random.PRNGKey(k), num_reference=40, epsilon=0.1)
     assert embedding._TRACE_COUNT["embed"] == before
 
 
