@@ -41,9 +41,20 @@ How it is solved (all inside one compiled program):
    when ``delta <= tol * S`` with ``S = 1/2 sum_i ||v_i - mean(v)||^2`` (the value at
    ``t = 0``, an upper bound on the optimal value).
 
-Precision: in float32 the certificate itself is only accurate to a few ``1e-7 * S``;
-``tol`` far below ``1e-6`` needs float64 (``with jax.enable_x64(True):`` and float64
-inputs).
+Solvers: ``method="dykstra"`` (default) is Dykstra's algorithm cycling over the
+``n - 1`` round-robin perfect matchings of the complete graph (the pair kernel vmapped
+over the ``n / 2`` disjoint pairs of a matching; one vector of dual state per pair);
+``"dykstra_parallel"`` projects all pairs at once and averages the ``n - 1`` copies of
+each client (uniform weights = the product metric); ``"laplacian"`` is a projected
+Newton-CG ascent on the ``n x n`` multipliers only (no per-pair vectors), for many
+clients. All three return the same certified output.
+
+Precision: the certificate is computed in the input dtype. In float32 it is exact only
+up to a few ``1e-7 * S`` (rounding in ``g``), so ``delta`` may undershoot the true
+suboptimality by that much and ``tol`` much below ``1e-6`` is out of reach; float64
+(``with jax.enable_x64(True):`` and float64 inputs) certifies to ``~1e-13 * S``. The
+returned point is feasible up to the rounding of the last additions (the restoration
+keeps a margin of ``4 eps`` of every radius).
 """
 
 from __future__ import annotations
