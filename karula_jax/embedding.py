@@ -64,14 +64,15 @@ class EmbedOutput(NamedTuple):
 
     Attributes:
       maps: barycentric images ``M_i = N0 * P_i @ Z_i``, shape ``[n, N0, dz]``.
-      plans: transport plans ``P_i``, shape ``[n, N0, N_max]`` (zero on padded columns).
+      plans: transport plans ``P_i``, shape ``[n, N0, N_max]`` (zero on padded columns), or
+        None when not requested.
       converged: whether Sinkhorn met ``threshold`` within ``max_iterations``, ``[n]`` bool.
       iterations: Sinkhorn iterations run, ``[n]`` int32.
       marginal_error: ``||P_i^T 1 - b_i||_1 + ||P_i 1 - a||_1`` of the returned plan, ``[n]``.
     """
 
     maps: jnp.ndarray  # [n, N0, dz] float32
-    plans: jnp.ndarray  # [n, N0, N_max] float32
+    plans: jnp.ndarray | None  # [n, N0, N_max] float32
     converged: jnp.ndarray  # [n] bool
     iterations: jnp.ndarray  # [n] int32
     marginal_error: jnp.ndarray  # [n] float32
@@ -238,17 +239,39 @@ def _solve_one(reference, z, b, epsilon, threshold, max_iterations, inner_iterat
     return EmbedOutput(maps, plan, converged, out.n_iters.astype(jnp.int32), err)
 
 
-@functools.partial(jax.jit, static_argnames=("max_iterations", "inner_iterations"))
-def _embed_batched(reference, joint, weights, epsilon, threshold, max_iterations, inner_iterations):
+@functools.partial(
+    jax.jit, static_argnames=("max_iterations", "inner_iterations", "batch_size", "return_plans")
+)
+def _embed_batched(
+    reference,
+    joint,
+    weights,
+    epsilon,
+    threshold,
+    max_iterations,
+    inner_iterations,
+    batch_size,
+    return_plans,
+):
     _TRACE_COUNT["embed"] += 1
-    solve = functools.partial(
-        _solve_one,
-        epsilon=epsilon,
-        threshold=threshold,
-        max_iterations=max_iterations,
-        inner_iterations=inner_iterations,
-    )
-    return jax.vmap(solve, in_axes=(None, 0, 0))(reference, joint, weights)
+
+    def solve(zb):
+        out = _solve_one(
+            reference,
+            *zb,
+            epsilon=epsilon,
+            threshold=threshold,
+            max_iterations=max_iterations,
+            inner_iterations=inner_iterations,
+        )
+        # Dropping plans here keeps memory at O(n * N0 * dz) when they are not wanted.
+        return out if return_plans else out._replace(plans=None)
+
+    if batch_size is None:
+        return jax.vmap(solve)((joint, weights))
+    # Batches of clients run one after another: bounds memory, and a batch stops as soon as
+    # its own slowest client has converged.
+    return jax.lax.map(solve, (joint, weights), batch_size=batch_size)
 
 
 def _check_num_reference(num_reference) -> int:
@@ -281,6 +304,8 @@ def embed(
     threshold: float = DEFAULT_THRESHOLD,
     max_iterations: int = DEFAULT_MAX_ITERATIONS,
     inner_iterations: int = 10,
+    batch_size: int | None = None,
+    return_plans: bool = True,
 ) -> EmbedOutput:
     """Solves one entropic W1 problem per client and returns the barycentric maps.
 
@@ -297,11 +322,16 @@ def embed(
       threshold: Sinkhorn stops when the L1 error of the client-side marginal is below it.
       max_iterations: cap on Sinkhorn iterations.
       inner_iterations: iterations between two error evaluations.
+      batch_size: if given, solve this many clients at a time (``lax.map`` over vmapped
+        batches) instead of all at once: memory ``O(batch_size * N0 * N_max)``.
+      return_plans: if False, ``plans`` is None (saves ``n * N0 * N_max`` floats).
 
     Returns:
       :class:`EmbedOutput` with maps ``[n, N0, dz]`` and per-client diagnostics.
     """
     _check_solver_args(epsilon, threshold, max_iterations, inner_iterations)
+    if batch_size is not None and int(batch_size) < 1:
+        raise ValueError(f"batch_size must be None or >= 1, got {batch_size}")
     joint = jnp.asarray(joint, jnp.float32)
     reference = jnp.asarray(reference, jnp.float32)
     counts = jnp.asarray(counts)
@@ -330,6 +360,8 @@ def embed(
         jnp.asarray(threshold, jnp.float32),
         max_iterations=int(max_iterations),
         inner_iterations=int(inner_iterations),
+        batch_size=None if batch_size is None else int(batch_size),
+        return_plans=bool(return_plans),
     )
 
 
@@ -379,6 +411,7 @@ def dissimilarities(
     norm: str = "row",
     max_iterations: int = DEFAULT_MAX_ITERATIONS,
     threshold: float = DEFAULT_THRESHOLD,
+    batch_size: int | None = None,
 ) -> tuple[jnp.ndarray, EmbeddingInfo]:
     """The client dissimilarity matrix ``D`` from the linear OT embedding.
 
@@ -393,6 +426,7 @@ def dissimilarities(
       norm: ``"row"`` (default, linearized W1) or ``"l1"`` (the paper's entrywise norm).
       max_iterations: Sinkhorn iteration cap.
       threshold: Sinkhorn marginal-error tolerance (L1).
+      batch_size: solve this many clients at a time (default: all at once).
 
     Returns:
       ``(D, info)``: ``D`` is a symmetric ``[n, n]`` float32 array with zero diagonal;
@@ -429,6 +463,8 @@ def dissimilarities(
         epsilon=epsilon,
         threshold=threshold,
         max_iterations=max_iterations,
+        batch_size=batch_size,
+        return_plans=False,
     )
     d = pairwise_from_embeddings(out.maps, norm=norm)
     info = EmbeddingInfo(

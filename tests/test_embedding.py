@@ -165,6 +165,18 @@ def test_padding_changes_nothing(ridge, ridge_d):
     )
 
 
+def test_batched_solve_matches_vmap(ridge):
+    joint = embedding.joint_samples(ridge.train)
+    counts = ridge.train.counts
+    ref = embedding.gaussian_reference(joint, counts, num_reference=40, key=KEY)
+    full = embedding.embed(joint, counts, ref)
+    batched = embedding.embed(joint, counts, ref, batch_size=3, return_plans=False)
+    assert batched.plans is None
+    np.testing.assert_allclose(batched.maps, full.maps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(batched.converged, full.converged)
+    np.testing.assert_array_equal(batched.iterations, full.iterations)
+
+
 def test_non_convergence_is_reported(ridge):
     _, info = embedding.dissimilarities(ridge.train, key=KEY, num_reference=20, max_iterations=10)
     assert not bool(info.converged.any())
@@ -236,6 +248,7 @@ def test_compiles_once_for_same_shapes(ridge):
         ({"reference": jnp.zeros((5, 3))}, "reference"),
         ({"reference": jnp.full((5, 6), jnp.nan)}, "reference"),
         ({"key": None}, "key"),
+        ({"batch_size": 0}, "batch_size"),
     ],
 )
 def test_bad_input(ridge, kwargs, match):
