@@ -547,3 +547,29 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     # t = 0 ties every client to one model.
     spread = np.ptp(np.asarray(many.state.params[:, 1]), axis=1)
     assert spread.max() < 1e-5
+
+
+def test_eval_data_can_hold_train_and_test():
+    test = make_data(seed=5)
+
+    def train_test(client_params, both):
+        train, held_out = both
+        return {
+            "train": eval_fn(client_params, train)["loss"],
+            "test": eval_fn(client_params, held_out)["loss"],
+        }
+
+    res = training.run(
+        ALG,
+        PARAMS,
+        DATA,
+        key=jax.random.PRNGKey(0),
+        num_rounds=3,
+        chunk_size=3,
+        eval_fn=train_test,
+        eval_data=(DATA, test),
+        progress=False,
+    )
+    final = ALG.client_params(res.state, DATA)
+    np.testing.assert_allclose(res.metrics["test"][-1], eval_fn(final, test)["loss"], rtol=1e-6)
+    np.testing.assert_allclose(res.metrics["train"][-1], eval_fn(final, DATA)["loss"], rtol=1e-6)
