@@ -5,6 +5,10 @@ Command (defaults reproduce ``results/heart_disease/``)::
     python -m experiments.heart_disease [--data-dir PATH] [--seeds S] [--rounds R]
                                         [--quick] [--out DIR]
 
+Expected (``results/heart_disease/table.md``, 10 splits, mean per-hospital test accuracy):
+Local 0.836, Karula 0.828 (t = 0.3 chosen by CV in every split), pFedMe 0.804, IFCA 0.803,
+FedSGD 0.797, FedAvg 0.797; about 3 minutes on 2 shared CPU cores.
+
 Protocol (the paper only comments out a result table for this data set, so every
 choice below is ours):
 
