@@ -105,8 +105,9 @@ def init_params(model: nn.Module, key: jax.Array, input_shape) -> dict:
 def _masked_mean(values: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
     # Empty masks give 0, not NaN: a client with no real row in a minibatch must not poison
     # the round.
-    mask = mask.astype(values.dtype)
-    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    # ``where`` rather than a product: inf or NaN in a padded row must not leak (inf * 0).
+    total = jnp.sum(jnp.where(mask, values, 0.0))
+    return total / jnp.maximum(jnp.sum(mask.astype(values.dtype)), 1.0)
 
 
 def _check_apply(apply_fn) -> None:

@@ -238,3 +238,16 @@ def test_bad_arguments():
         models.init_params(models.mlp(), jax.random.key(0), (0, 3))
     with pytest.raises(ValueError, match="dim"):
         models.linear_params(0)
+
+
+def test_inf_in_padded_rows_does_not_leak():
+    import jax.numpy as jnp
+
+    from karula_jax.models import ridge_loss
+
+    loss = ridge_loss(0.0)
+    theta = jnp.ones(2)
+    x = jnp.array([[1.0, 2.0], [jnp.inf, jnp.inf]])
+    y = jnp.array([1.0, 0.0])
+    mask = jnp.array([True, False])
+    assert float(loss(theta, x, y, mask)) == 0.5 * (3.0 - 1.0) ** 2
