@@ -15,7 +15,7 @@ Conventions used throughout ``karula_jax.algorithms``:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -304,3 +304,27 @@ def tree_sq_dist(a: Any, b: Any) -> jnp.ndarray:
     """``||a - b||^2`` summed over all leaves of two pytrees of the same structure."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return sum(jnp.sum((x - y) ** 2) for x, y in zip(la, lb, strict=True))
+
+
+class RoundStart(NamedTuple):
+    """What every round draws before its method-specific work (see :func:`begin_round`)."""
+
+    alpha: jnp.ndarray  # [n] float32, client weights
+    mask: jnp.ndarray  # [n] bool, participants
+    idx: jnp.ndarray  # [s] int32, participant indices
+    key_batch: jnp.ndarray  # key for the participants' minibatches
+
+
+def begin_round(state, data, s: int, weights) -> RoundStart:
+    """Checks ``s``, resolves weights and draws this round's participants.
+
+    Every method derives its round key as ``fold_in(state.key, state.round)`` and splits it
+    into a participation key and a minibatch key, so one run key gives the same
+    participants and minibatches in every method.
+    """
+    n = data.num_clients
+    check_clients_per_round(s, n)
+    alpha = resolve_weights(weights, data)
+    key_part, key_batch = jax.random.split(jax.random.fold_in(state.key, state.round))
+    mask, idx = sample_participants(key_part, n, s)
+    return RoundStart(alpha, mask, idx, key_batch)

@@ -30,11 +30,6 @@ def _info(values, a_s, mask, finite) -> RoundInfo:
     )
 
 
-def _round_keys(state: FedState):
-    key = jax.random.fold_in(state.key, state.round)
-    return jax.random.split(key)
-
-
 def _start(params, n: int, key_run, memory=()) -> FedState:
     return FedState(
         params=C.broadcast(params, n),
@@ -97,10 +92,8 @@ def local(
         return _start(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
-        n, s = data.num_clients, _s(data)
-        alpha = C.resolve_weights(weights, data)
-        key_part, key_batch = _round_keys(state)
-        mask, idx = C.sample_participants(key_part, n, s)
+        n = data.num_clients
+        alpha, mask, idx, key_batch = C.begin_round(state, data, _s(data), weights)
         values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
         rows = jax.tree.map(
@@ -172,10 +165,7 @@ def fedsgd(
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients
-        C.check_clients_per_round(s, n)
-        alpha = C.resolve_weights(weights, data)
-        key_part, key_batch = _round_keys(state)
-        mask, idx = C.sample_participants(key_part, n, s)
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
         w = jax.tree.map(lambda p: p[0], state.params)
@@ -242,11 +232,7 @@ def fedavg(
         return _start(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
-        n = data.num_clients
-        C.check_clients_per_round(s, n)
-        alpha = C.resolve_weights(weights, data)
-        key_part, key_batch = _round_keys(state)
-        mask, idx = C.sample_participants(key_part, n, s)
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         rows, values = _local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)

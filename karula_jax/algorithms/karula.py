@@ -193,10 +193,7 @@ def karula(
 
     def round_fn(state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
         _check_data(data)
-        alpha = C.resolve_weights(weights, data)
-        key = jax.random.fold_in(state.key, state.round)
-        key_part, key_batch = jax.random.split(key)
-        mask, idx = C.sample_participants(key_part, n, s)
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
         G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)

@@ -113,12 +113,7 @@ def pfedme(
         )
 
     def round_fn(state: FedState, data: ClientData):
-        n = data.num_clients
-        C.check_clients_per_round(s, n)
-        alpha = C.resolve_weights(weights, data)
-        key = jax.random.fold_in(state.key, state.round)
-        key_part, key_batch = jax.random.split(key)
-        mask, idx = C.sample_participants(key_part, n, s)
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         w = state.extra
         keys = C.client_keys(key_batch, idx)
         w_rows, thetas, values = jax.vmap(client, in_axes=(None, 0, 0, 0, 0))(
