@@ -426,9 +426,9 @@ def to_markdown(rows, proj_rows, args) -> str:
         "The two parts are timed separately (best of 20 each): the constrained part is the "
         "Dykstra solve on the personalized output layer (1010 numbers per client); the shared "
         "hidden layer (78,500 numbers per client, stored per client as `FedState` requires) "
-        "is set to its mean over clients (`jnp.mean(axis=0)`, as the projection does; the next "
-        "column computes the same mean as a matrix-vector product, which XLA:CPU runs as one "
-        "BLAS call instead of a slow reduction over the leading axis).",
+        "is set to its mean over clients; the 'consensus mean' column times it as "
+        "`jnp.mean(axis=0)`, a slow strided reduction on XLA:CPU, the next column as the "
+        "matrix-vector product the projection now uses (one BLAS call).",
         "",
         f"t = {T:g} makes every constraint active with these random D (a stress test of the "
         f"projection); t = {T_PAPER:g} is the paper's FEMNIST value, for which the constraints "
