@@ -12,9 +12,9 @@ Command (defaults reproduce ``results/femnist/``)::
 
 Expected (``results/femnist/README.md``; 3 seeds, 500 rounds, final mean per-writer test
 accuracy): paper rates on LEAF inputs: FedAvg = IFCA 87.6, Karula 71-74 (unstable across
-seeds), Local 64.3 (Local and Karula far from converged); inverted inputs with x10 rates:
-Karula 93.8, IFCA 93.6, FedAvg 92.8, Local 88.4. Runtime: 24 min wall clock each on 2
-heavily shared CPU cores (about 6 min of it Local + FedAvg, 11 min Karula).
+seeds and reruns), Local 64.3 (Local and Karula far from converged); inverted inputs with x10 rates:
+Karula 93.8, IFCA 93.6, FedAvg 92.8, Local 88.4. Runtime: about 115 s wall clock each
+on an idle 2-core machine (Karula about 24 s of it).
 
 Setup: the first 30 LEAF writers with at least 50 digit training samples are the
 clients; each keeps LEAF's own train/test split. A 784-100-10 ReLU MLP; half of the

@@ -1,7 +1,7 @@
 """Synthetic ridge regression: the paper's Table 1 and Figure 1 (section 5.1).
 
-Command (the README's main command; 10 seeds took 17 min wall / 9 min CPU on a shared,
-heavily loaded 2-core machine, see ``results/synthetic/config.json``)::
+Command (the README's main command; 10 seeds took 331 s wall / 487 s CPU on an idle
+2-core machine, see ``results/synthetic/config.json``)::
 
     python -m experiments.synthetic_ridge            # 10 seeds, writes results/synthetic/
     python -m experiments.synthetic_ridge --quick    # smoke run, < 60 s
@@ -146,8 +146,8 @@ class SyntheticConfig:
     seeds; paper in brackets, FedSGD and pFedMe from its source's comments): Local
     22.6 / 0.800 (35.3 / 0.692), FedSGD 9.2 / 0.876 (7.6 / 0.839), FedAvg 9.2 / 0.876
     (7.5 / 0.846), IFCA 4.4 / 0.955 with k = 3..5 (7.7 / 0.821), pFedMe 3.4 / 0.952
-    (31.7 / 0.768), Karula 6.0 / 0.923 with t = 1 (5.9 / 0.938). Runtime: 17 min wall
-    and 9 min CPU on a shared 2-core machine.
+    (31.7 / 0.768), Karula 6.0 / 0.923 with t = 1 (5.9 / 0.938). Runtime: 331 s wall
+    and 487 s CPU on an idle 2-core machine.
 
     Attributes:
       seeds: number of seeds (data draw + training randomness); seeds 0..seeds-1.
