@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from karula_jax.algorithms.base import RoundInfo
 from karula_jax.data.clients import ClientData, client_weights
 
 __all__ = [
@@ -47,6 +48,9 @@ __all__ = [
     "scatter",
     "tree_sq_dist",
     "weighted_mean",
+    "RoundStart",
+    "begin_round",
+    "round_info",
 ]
 
 
@@ -328,3 +332,22 @@ def begin_round(state, data, s: int, weights) -> RoundStart:
     key_part, key_batch = jax.random.split(jax.random.fold_in(state.key, state.round))
     mask, idx = sample_participants(key_part, n, s)
     return RoundStart(alpha, mask, idx, key_batch)
+
+
+def round_info(values, a_s, mask, finite):
+    """RoundInfo of a method without a projection: alpha-weighted loss, zero projection stats.
+
+    Args:
+      values: participants' minibatch losses ``[s]``.
+      a_s: participants' weights ``[s]``.
+      mask: participants ``[n]`` bool.
+      finite: scalar bool, False if anything of the round became NaN/inf.
+    """
+    return RoundInfo(
+        loss=weighted_mean(values, a_s),
+        participants=mask,
+        proj_delta=jnp.zeros((), jnp.float32),
+        proj_violation=jnp.zeros((), jnp.float32),
+        proj_iterations=jnp.zeros((), jnp.int32),
+        finite=finite,
+    )

@@ -13,21 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
 __all__ = ["fedavg", "fedsgd", "local"]
-
-
-def _info(values, a_s, mask, finite) -> RoundInfo:
-    return RoundInfo(
-        loss=C.weighted_mean(values, a_s),
-        participants=mask,
-        proj_delta=jnp.zeros((), jnp.float32),
-        proj_violation=jnp.zeros((), jnp.float32),
-        proj_iterations=jnp.zeros((), jnp.int32),
-        finite=finite,
-    )
 
 
 def _start(params, n: int, key_run, memory=()) -> FedState:
@@ -102,7 +91,7 @@ def local(
             grads,
         )
         params = C.scatter(state.params, idx, rows)
-        info = _info(values, a_s, mask, C.all_finite(values, grads, params))
+        info = C.round_info(values, a_s, mask, C.all_finite(values, grads, params))
         return state._replace(params=params, round=state.round + 1), info
 
     return Algorithm(init=init, round=round_fn, client_params=_own_params)
@@ -181,7 +170,7 @@ def fedsgd(
             direction = C.weighted_mean(grads, a_s)
         w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
         params = C.broadcast(w, n)
-        info = _info(values, a_s, mask, C.all_finite(values, grads, w))
+        info = C.round_info(values, a_s, mask, C.all_finite(values, grads, w))
         return state._replace(params=params, memory=mem, round=state.round + 1), info
 
     return Algorithm(init=init, round=round_fn, client_params=_own_params)
@@ -237,7 +226,7 @@ def fedavg(
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)
         params = _aggregate(state.params, idx, rows, avg, personalized)
-        info = _info(values, a_s, mask, C.all_finite(values, rows))
+        info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
     return Algorithm(init=init, round=round_fn, client_params=_own_params)

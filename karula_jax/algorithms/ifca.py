@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.baselines import _local_train
 from karula_jax.data.clients import ClientData
 
@@ -161,14 +161,7 @@ def ifca(
 
         clusters = jax.tree.map(average, clusters, rows)
         assignment = state.extra.assignment.at[idx].set(choice)
-        info = RoundInfo(
-            loss=C.weighted_mean(values, a_s),
-            participants=mask,
-            proj_delta=jnp.zeros((), jnp.float32),
-            proj_violation=jnp.zeros((), jnp.float32),
-            proj_iterations=jnp.zeros((), jnp.int32),
-            finite=C.all_finite(values, rows, clusters),
-        )
+        info = C.round_info(values, a_s, mask, C.all_finite(values, rows, clusters))
         new_state = state._replace(
             params=C.gather(clusters, assignment),
             extra=IFCAState(clusters=clusters, assignment=assignment),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
 __all__ = ["pfedme"]
@@ -123,14 +123,7 @@ def pfedme(
         avg = C.weighted_mean(w_rows, a_s)
         w = jax.tree.map(lambda old, new: (1 - beta) * old + beta * new, w, avg)
         params = C.scatter(state.params, idx, thetas)
-        info = RoundInfo(
-            loss=C.weighted_mean(values, a_s),
-            participants=mask,
-            proj_delta=jnp.zeros((), jnp.float32),
-            proj_violation=jnp.zeros((), jnp.float32),
-            proj_iterations=jnp.zeros((), jnp.int32),
-            finite=C.all_finite(values, thetas, w),
-        )
+        info = C.round_info(values, a_s, mask, C.all_finite(values, thetas, w))
         return state._replace(params=params, extra=w, round=state.round + 1), info
 
     def client_params(state: FedState, data: ClientData):
