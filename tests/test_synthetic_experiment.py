@@ -1,6 +1,7 @@
 """The synthetic ridge experiment: fold machinery, metrics, and a quick end-to-end run."""
 
 import csv
+import dataclasses
 import json
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import synthetic_ridge as sr
-from karula_jax.data import from_client_arrays
+from karula_jax.data import from_client_arrays, synthetic_ridge
 
 
 def _toy(seed=0, sizes=(7, 12, 5), dim=3):
@@ -73,13 +74,34 @@ def test_config_rejects_bad_values():
         sr.SyntheticConfig(t_grid=())
 
 
+def test_population_rows_come_from_the_training_clients_distributions():
+    # The population-D diagnostic draws more test rows from the same generator call; that
+    # is only the same clients if the training rows and true models do not move.
+    small = synthetic_ridge(3, num_test=5)
+    big = synthetic_ridge(3, num_test=300)
+    np.testing.assert_array_equal(np.asarray(small.theta_true), np.asarray(big.theta_true))
+    for a, b in zip(small.train, big.train, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert big.test.x.shape[1] == 300
+
+
+def test_normalize_makes_mean_off_diagonal_one():
+    rng = np.random.default_rng(0)
+    D = rng.uniform(1, 5, size=(3, 4, 4))
+    D = (D + np.swapaxes(D, 1, 2)) * (1 - np.eye(4))
+    out = np.asarray(sr._normalize(D))
+    off = ~np.eye(4, dtype=bool)
+    np.testing.assert_allclose(out[:, off].mean(axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out * D[:, :1, 1:2], D * out[:, :1, 1:2], rtol=1e-6)
+
+
 def test_quick_run_writes_the_table_figure_and_config(tmp_path):
-    summary = sr.main(["--quick", "--out", str(tmp_path)])
+    summary = sr.main(["--quick", "--diagnostics", "--out", str(tmp_path)])
     for name in ("table.csv", "table.md", "heatmaps.png", "config.json"):
         assert (tmp_path / name).is_file(), name
     with open(tmp_path / "table.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["method"] for r in rows] == list(sr.METHODS)
+    assert [r["method"] for r in rows] == list(sr.METHODS + sr.DIAGNOSTICS)
     assert set(rows[0]) == {
         "method",
         "estimation_error",
@@ -103,3 +125,31 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["config"]["seeds"] == 2 and cfg["runtime_s"] > 0
     assert len(summary["methods"]["Karula"]["chosen"]) == 2
+    assert cfg["config"]["diagnostics"] and len(cfg["spearman_population_D"]) == 2
+    assert "`python -m experiments.synthetic_ridge --quick --diagnostics`" in md
+    assert all(d in md for d in sr.DIAGNOSTICS)
+
+
+def test_batch_holds_normalized_true_and_population_D():
+    cfg = dataclasses.replace(sr.quick_config(), diagnostics=True, population_rows=50)
+    batch = sr.build_batch(cfg, log=lambda _: None)
+    K = cfg.num_folds
+    n = cfg.num_clients
+    off = ~np.eye(n, dtype=bool)
+    for D in (batch.D, batch.D_true, batch.D_population):
+        D = np.asarray(D)
+        assert D.shape == (cfg.seeds * (K + 1), n, n)
+        np.testing.assert_allclose(D[:, off].mean(axis=1), 1.0, rtol=1e-5)
+    for s in range(cfg.seeds):
+        theta = batch.theta_true[s]
+        truth = np.sum((theta[:, None] - theta[None]) ** 2, axis=-1)
+        truth = truth / truth[off].mean()
+        for f in range(K + 1):  # the truth and the population D do not depend on the fold
+            b = s * (K + 1) + f
+            np.testing.assert_allclose(np.asarray(batch.D_true[b]), truth, rtol=1e-4, atol=1e-6)
+            np.testing.assert_array_equal(
+                np.asarray(batch.D_population[b]), np.asarray(batch.D_population[s * (K + 1)])
+            )
+    # The embedding's D sees the fold's rows: the folds of one seed differ.
+    assert not np.allclose(np.asarray(batch.D[0]), np.asarray(batch.D[1]))
+    assert len(batch.spearman_population) == cfg.seeds
