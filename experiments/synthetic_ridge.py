@@ -122,6 +122,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import pathlib
 import sys
 import time
@@ -202,6 +203,8 @@ class SyntheticConfig:
       num_reference: N0, reference points of the OT embedding.
       epsilon: entropic regularization of the embedding's Sinkhorn solves (absolute).
       noise_std: response noise of the generator (None: its default).
+      generator: further keyword arguments of :func:`karula_jax.data.synthetic_ridge`
+        (sensitivity runs, e.g. ``{"group_feature_std": 0.3}``; empty: its defaults).
       normalize_D: divide every data set's D by its mean off-diagonal entry, so that t
         means the same on a CV fold (fewer rows, larger D) as on the final fit.
       diagnostics: also train Karula with the true dissimilarities and with D from
@@ -231,6 +234,7 @@ class SyntheticConfig:
     num_reference: int = 100
     epsilon: float = 0.5
     noise_std: float | None = None
+    generator: dict[str, Any] = dataclasses.field(default_factory=dict)
     normalize_D: bool = True
     diagnostics: bool = False
     population_rows: int = 1000
@@ -403,7 +407,7 @@ def _stack(items: Sequence[ClientData]) -> ClientData:
 
 def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> Batch:
     """Draws the seeds' data, splits folds and computes D and the Lipschitz constants."""
-    gen_kwargs = dict(num_clients=cfg.num_clients, dim=cfg.dim)
+    gen_kwargs = dict(cfg.generator, num_clients=cfg.num_clients, dim=cfg.dim)
     if cfg.noise_std is not None:
         gen_kwargs["noise_std"] = cfg.noise_std
     sets = [synthetic_ridge(seed, **gen_kwargs) for seed in range(cfg.seeds)]
@@ -445,7 +449,7 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
         truth = np.stack([_sq_dists(t) for t in theta_true])
         D_true = jnp.asarray(np.repeat(truth, K + 1, axis=0), jnp.float32)
         pops = [
-            synthetic_ridge(seed, num_test=cfg.population_rows, **gen_kwargs).test
+            synthetic_ridge(seed, **{**gen_kwargs, "num_test": cfg.population_rows}).test
             for seed in range(cfg.seeds)
         ]
         D_pop, pop_info = jax.jit(
@@ -910,6 +914,21 @@ def run_experiment(
     return summary
 
 
+def _generator_option(text: str) -> tuple[str, Any]:
+    """Parses ``NAME=VALUE`` (``VALUE`` a number or comma-separated numbers)."""
+    name, sep, value = text.partition("=")
+    allowed = set(inspect.signature(synthetic_ridge).parameters) - {"seed", "num_clients", "dim"}
+    if not sep or name not in allowed:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME in {sorted(allowed)}")
+    try:
+        numbers = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: expected numbers, got {value!r}") from None
+    if name in ("min_samples", "max_samples", "num_test"):
+        numbers = tuple(int(v) for v in numbers)
+    return name, numbers if len(numbers) > 1 else numbers[0]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Command-line entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -921,6 +940,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         default=None,
         help="output folder (default results/synthetic, with --diagnostics "
         "results/synthetic_diagnostics)",
+    )
+    parser.add_argument(
+        "--generator",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        type=_generator_option,
+        help="a keyword of karula_jax.data.synthetic_ridge, e.g. group_feature_std=0.3 or "
+        "feature_scale_range=1,1 (repeatable)",
     )
     parser.add_argument(
         "--diagnostics",
@@ -935,6 +963,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         cfg = dataclasses.replace(cfg, seeds=args.seeds)
     if args.diagnostics:
         cfg = dataclasses.replace(cfg, diagnostics=True)
+    if args.generator:
+        cfg = dataclasses.replace(cfg, generator=dict(args.generator))
     out = args.out or (DIAGNOSTICS_OUT if args.diagnostics else DEFAULT_OUT)
     flags = list(argv if argv is not None else sys.argv[1:])
     if args.out is not None:  # the output folder is not part of what was run

@@ -60,3 +60,27 @@ def test_synthetic_ridge_matches_its_docstring():
     np.testing.assert_allclose(centres, [1.0, 1.5, 2.0], atol=0.05)
     # Same seed, same data.
     np.testing.assert_array_equal(synthetic_ridge(0).train.x, synthetic_ridge(0).train.x)
+
+
+def test_synthetic_group_feature_offsets_follow_the_groups():
+    kw = dict(feature_mean_std=0.0, feature_scale_range=(1.0, 1.0), num_test=2000)
+    base = synthetic_ridge(1, **kw)
+    grouped = synthetic_ridge(1, group_feature_std=1.0, **kw)
+    # The offsets are drawn after everything else of the default stream: sizes and models
+    # do not move, and group_feature_std=0 is the default generator.
+    np.testing.assert_array_equal(np.asarray(base.theta_true), np.asarray(grouped.theta_true))
+    np.testing.assert_array_equal(np.asarray(base.train.counts), np.asarray(grouped.train.counts))
+    means = np.asarray(grouped.test.x).mean(axis=1)  # [n, d], sampling error ~ 1/sqrt(2000)
+    g = np.asarray(grouped.groups)
+    same = np.linalg.norm(means[g == 0][0] - means[g == 0][1])
+    other = np.linalg.norm(means[g == 0][0] - means[g == 1][0])
+    # Same group: only sampling noise (~0.03 * sqrt(2 d) = 0.3); other group: ~sqrt(2 d) = 10.
+    assert same < 0.6 < 5.0 < other
+    base_means = np.asarray(base.test.x).mean(axis=1)
+    assert np.linalg.norm(base_means[0] - base_means[10]) < 0.6  # no offsets by default
+
+
+def test_synthetic_rejects_negative_spreads():
+    for name in ("noise_std", "theta_std", "feature_mean_std", "group_feature_std"):
+        with pytest.raises(ValueError, match=name):
+            synthetic_ridge(0, **{name: -0.1})

@@ -42,6 +42,7 @@ def synthetic_ridge(
     feature_scale_range: tuple[float, float] = (0.8, 1.2),
     noise_std: float = 0.6,
     num_test: int = 100,
+    group_feature_std: float = 0.0,
 ) -> SyntheticRidge:
     """Heterogeneous linear-regression clients in groups with different true models.
 
@@ -57,6 +58,10 @@ def synthetic_ridge(
       ``mu_i ~ N(0, feature_mean_std^2 I)`` and ``s_i ~ Uniform(feature_scale_range)``
       per coordinate, so feature distributions differ across clients but only
       mildly (big feature shifts would make data differ where models do not).
+      With ``group_feature_std > 0`` every group also draws an offset
+      ``m_g ~ N(0, group_feature_std^2 I)`` that its clients add to ``mu_i``, so that
+      the feature distributions follow the groups (a sensitivity setting; the default
+      0 keeps features independent of the groups).
     * Responses: ``y = x . theta_i* + e`` with ``e ~ N(0, noise_std^2)``, no intercept.
       The paper tunes the noise "so that the global model beats local models"; the
       default 0.6 gives exact local ridge fits (lambda = 1e-6) a mean estimation error
@@ -66,7 +71,8 @@ def synthetic_ridge(
       ``num_test`` fresh rows per client from the same distribution.
 
     Everything is drawn from one ``numpy.random.Generator`` seeded with ``seed``, in the
-    order: sizes, groups' parameters, feature distributions, train rows, test rows.
+    order: sizes, groups' parameters, feature distributions (group offsets last, drawn
+    only when ``group_feature_std > 0``), train rows, test rows.
 
     Args:
       seed: seed of the data draw.
@@ -80,6 +86,7 @@ def synthetic_ridge(
       feature_scale_range: range of per-coordinate feature standard deviations.
       noise_std: standard deviation of the response noise.
       num_test: test rows per client.
+      group_feature_std: spread of the per-group feature-mean offsets (0: none).
 
     Returns:
       A :class:`SyntheticRidge`.
@@ -92,8 +99,14 @@ def synthetic_ridge(
         raise ValueError(
             f"need 1 <= min_samples <= max_samples, got {min_samples} and {max_samples}"
         )
-    if noise_std < 0 or theta_std < 0 or feature_mean_std < 0:
-        raise ValueError("noise_std, theta_std and feature_mean_std must be non-negative")
+    for name, value in (
+        ("noise_std", noise_std),
+        ("theta_std", theta_std),
+        ("feature_mean_std", feature_mean_std),
+        ("group_feature_std", group_feature_std),
+    ):
+        if not value >= 0:  # also rejects NaN
+            raise ValueError(f"{name} must be non-negative, got {value}")
     lo, hi = feature_scale_range
     if not 0 < lo <= hi:
         raise ValueError(
@@ -110,6 +123,8 @@ def synthetic_ridge(
     theta = means[:, None] + theta_std * rng.standard_normal((num_clients, dim))
     mu = feature_mean_std * rng.standard_normal((num_clients, dim))
     scale = rng.uniform(lo, hi, size=(num_clients, dim))
+    if group_feature_std > 0:  # only then, so the default draws stay as they were
+        mu = mu + group_feature_std * rng.standard_normal((num_groups, dim))[groups]
 
     def draw(i, rows):
         x = mu[i] + scale[i] * rng.standard_normal((rows, dim))
