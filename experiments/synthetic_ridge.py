@@ -95,27 +95,28 @@ What reproduces and what does not (10 seeds, defaults; numbers in the README and
 ``results/``): Karula beats Local, FedSGD and FedAvg with non-overlapping +-2 SE
 intervals and is close to the paper's own number; Local is the worst method; Karula's D
 ranks the true dissimilarities better than distances between local models (paired over
-seeds). Karula is NOT the best method: IFCA and pFedMe beat it. The diagnostics say
-why: with the true dissimilarities Karula has the lowest error of every method by a
-wide margin (0.47 +- 0.02, R^2 0.990; pFedMe 3.43), while with D from 1000 rows per
-client it improves only to 4.79 +- 0.42 (best grid point 3.94; D's Spearman with the
-truth 0.69 instead of 0.47), still behind pFedMe and level with IFCA. The
-joint-space W1 between these clients is dominated by the 50 feature coordinates (the
-finite-sample floor in 51 dimensions and the clients' own feature shifts), which carry
-no information about theta*; the groups show up only through the response's spread.
-The paper leaves the feature distributions open and does not report D's correlation; we
-did not tune the generator until Karula wins (group-dependent feature distributions of
-moderate size did not change the ordering in exploratory runs, and large feature shifts
-slowed every method through conditioning). IFCA with the k that CV picks (3-5)
-recovers the tight groups (theta_std 0.1: within-group ||theta_i* - theta_j*||^2 about
-1, between groups 12.5 and 50) on most seeds, whereas the paper's IFCA collapsed to one
-global model (7.69, next to FedAvg's 7.47). pFedMe's personalized model is 5 gradient
-steps from the global model on the client's loss, a shrinkage estimator that suits this
-problem (its final-fit error is flat for lambda <= 0.1, so CV's choice of the smallest
-lambda is not a grid-edge artefact; the pFedMe result left commented out in the paper's
-source, 31.65 / 0.768, was close to Local). Local's 22.6 is gradient descent after 600
-rounds: exact local ridge fits average 30.9 +- 16.1 over the same seeds (one seed with a
-client of N_i = 51 ~ d contributes 102), close to the paper's 35.3.
+seeds). Karula is NOT the best method: IFCA and pFedMe beat it. The diagnostics say why:
+with the true dissimilarities Karula has the lowest error of every method by a wide
+margin (0.47 +- 0.02, R^2 0.990; pFedMe 3.43), while with D from 1000 rows per client it
+improves only to 4.79 +- 0.42 (best grid point 3.94; D's Spearman with the truth 0.69
+instead of 0.47), still behind pFedMe and level with IFCA. The joint-space W1 between
+these clients is dominated by the 50 feature coordinates (the finite-sample floor in 51
+dimensions and the clients' own feature shifts), which carry no information about
+theta*; the groups show up only through the response's spread. The paper leaves the
+feature distributions open and does not report D's correlation; we did not tune the
+generator until Karula wins, and :mod:`experiments.synthetic_sensitivity` runs this
+protocol over five generator settings (no feature shifts, feature shifts that follow the
+groups, overlapping groups): Karula is not the best method in any of them. IFCA with the
+k that CV picks (3-5) recovers the tight groups (theta_std 0.1: within-group ||theta_i*
+- theta_j*||^2 about 1, between groups 12.5 and 50) on most seeds, whereas the paper's
+IFCA collapsed to one global model (7.69, next to FedAvg's 7.47). pFedMe's personalized
+model is 5 gradient steps from the global model on the client's loss, a shrinkage
+estimator that suits this problem (its final-fit error is flat for lambda <= 0.1, so
+CV's choice of the smallest lambda is not a grid-edge artefact; the pFedMe result left
+commented out in the paper's source, 31.65 / 0.768, was close to Local). Local's 22.6 is
+gradient descent after 600 rounds: exact local ridge fits average 30.9 +- 16.1 over the
+same seeds (one seed with a client of N_i = 51 ~ d contributes 102), close to the
+paper's 35.3.
 """
 
 from __future__ import annotations

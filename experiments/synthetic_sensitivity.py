@@ -87,7 +87,8 @@ def run_sensitivity(
         digits={m: 2 for m in sr.METHODS},
         notes=[
             f"{base.seeds} seeds per setting, mean ± 2 SE; protocol of "
-            "experiments/synthetic_ridge.py (5-fold CV, 600 rounds). Spearman: rank "
+            f"experiments/synthetic_ridge.py ({base.num_folds}-fold CV, {base.rounds} "
+            "rounds). Spearman: rank "
             "correlation with the true ||theta_i* - theta_j*||^2 of Karula's D and of the "
             "distances between Local models. Command: "
             "`python -m experiments.synthetic_sensitivity`."

@@ -153,3 +153,19 @@ def test_batch_holds_normalized_true_and_population_D():
     # The embedding's D sees the fold's rows: the folds of one seed differ.
     assert not np.allclose(np.asarray(batch.D[0]), np.asarray(batch.D[1]))
     assert len(batch.spearman_population) == cfg.seeds
+
+
+def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
+    from experiments import synthetic_sensitivity as ss
+
+    settings = {"grouped": {"group_feature_std": 0.3}}
+    rows = ss.run_sensitivity(sr.quick_config(2), tmp_path, settings)
+    assert [r["setting"] for r in rows] == ["grouped"]
+    sub = json.loads((tmp_path / "grouped" / "config.json").read_text())
+    assert sub["config"]["generator"] == {"group_feature_std": 0.3}
+    with open(tmp_path / "summary.csv") as fh:
+        (row,) = list(csv.DictReader(fh))
+    for m in sr.METHODS:
+        assert float(row[m]) > 0 and float(row[m + "_2se"]) >= 0
+    assert -1 <= float(row["spearman_D"]) <= 1
+    assert "group_feature_std=0.3" in (tmp_path / "summary.md").read_text()
