@@ -1,6 +1,6 @@
 """Synthetic ridge regression: the paper's Table 1 and Figure 1 (section 5.1).
 
-Command (the README's main command; 10 seeds took 347 s wall / 491 s CPU on an idle
+Command (the README's main command; 10 seeds took 363 s wall / 543 s CPU on an idle
 2-core machine, see ``results/synthetic/config.json``)::
 
     python -m experiments.synthetic_ridge            # 10 seeds, writes results/synthetic/
@@ -84,7 +84,7 @@ Protocol (DESIGN.md section 6; every choice the paper leaves open is marked *our
   trained Local models, each titled with its Spearman correlation with the truth
   (the table also reports these correlations averaged over seeds).
 
-Diagnostics (``--diagnostics``, written to ``results/synthetic_diagnostics/``; 794 s wall
+Diagnostics (``--diagnostics``, written to ``results/synthetic_diagnostics/``; 869 s wall
 on an idle 2-core machine): Karula
 trained again, with the same t grid and CV, on two dissimilarity matrices no federated
 method has: the true ||theta_i* - theta_j*||^2, and the embedding's D computed from
@@ -107,8 +107,8 @@ feature distributions open and does not report D's correlation; we did not tune 
 generator until Karula wins, and :mod:`experiments.synthetic_sensitivity` runs this
 protocol over five generator settings (no feature shifts, feature shifts that follow the
 groups, overlapping groups): Karula is not the best method in any of them. IFCA with the
-k that CV picks (3-5) recovers the tight groups (theta_std 0.1: within-group ||theta_i*
-- theta_j*||^2 about 1, between groups 12.5 and 50) on most seeds, whereas the paper's
+k that CV picks (3-5) recovers the tight groups (theta_std 0.1: within-group
+||theta_i* - theta_j*||^2 about 1, between groups 12.5 and 50) on most seeds, whereas the paper's
 IFCA collapsed to one global model (7.69, next to FedAvg's 7.47). pFedMe's personalized
 model is 5 gradient steps from the global model on the client's loss, a shrinkage
 estimator that suits this problem (its final-fit error is flat for lambda <= 0.1, so
@@ -179,8 +179,8 @@ class SyntheticConfig:
     seeds; paper in brackets, FedSGD and pFedMe from its source's comments): Local
     22.6 / 0.800 (35.3 / 0.692), FedSGD 9.2 / 0.876 (7.6 / 0.839), FedAvg 9.2 / 0.876
     (7.5 / 0.846), IFCA 4.4 / 0.955 with k = 3..5 (7.7 / 0.821), pFedMe 3.4 / 0.952
-    (31.7 / 0.768), Karula 5.8 / 0.925 with t = 4..16 (5.9 / 0.938). Runtime: 347 s
-    wall and 491 s CPU on an idle 2-core machine.
+    (31.7 / 0.768), Karula 5.8 / 0.925 with t = 4..16 (5.9 / 0.938). Runtime: 363 s
+    wall and 543 s CPU on an idle 2-core machine.
 
     Attributes:
       seeds: number of seeds (data draw + training randomness); seeds 0..seeds-1.
