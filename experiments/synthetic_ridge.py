@@ -431,13 +431,14 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
 
     t0 = time.perf_counter()
     emb_keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(2_000_003), b))(jnp.arange(B))
-    D, info = jax.jit(
+    embed_all = jax.jit(
         jax.vmap(
             lambda d, k: dissimilarities(
                 d, key=k, num_reference=cfg.num_reference, epsilon=cfg.epsilon
             )
         )
-    )(all_train, emb_keys)
+    )
+    D, info = embed_all(all_train, emb_keys)
     D = jax.block_until_ready(D)
     log(f"dissimilarities of {B} data sets: {time.perf_counter() - t0:.1f} s")
     converged = np.asarray(info.converged)
@@ -453,13 +454,7 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
             synthetic_ridge(seed, **{**gen_kwargs, "num_test": cfg.population_rows}).test
             for seed in range(cfg.seeds)
         ]
-        D_pop, pop_info = jax.jit(
-            jax.vmap(
-                lambda d, k: dissimilarities(
-                    d, key=k, num_reference=cfg.num_reference, epsilon=cfg.epsilon
-                )
-            )
-        )(_stack(pops), emb_keys[K :: K + 1])
+        D_pop, pop_info = embed_all(_stack(pops), emb_keys[K :: K + 1])
         converged = converged & np.repeat(np.asarray(pop_info.converged), K + 1, axis=0)
         pairs = zip(truth, np.asarray(D_pop), strict=True)
         rho_pop = np.asarray([spearman_offdiag(t, d) for t, d in pairs])
@@ -769,24 +764,18 @@ def run_experiment(
     cfg: SyntheticConfig,
     out: pathlib.Path,
     *,
+    command: str,
     log: Callable[[str], None] = print,
-    command: str | None = None,
 ) -> dict[str, Any]:
     """Runs every method, writes the table, figure and JSON files to ``out``.
 
-    ``command`` is the command line quoted in the table's notes (default: the one that
-    reproduces ``cfg``'s seeds and diagnostics).
+    ``command`` is the command line quoted in the table's notes (the caller knows how
+    it was started; :func:`main` passes its own arguments).
 
     Returns:
       A summary dict (also written to ``out/config.json``).
     """
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    if command is None:
-        command = (
-            "python -m experiments.synthetic_ridge"
-            + (f" --seeds {cfg.seeds}" if cfg.seeds != 10 else "")
-            + (" --diagnostics" if cfg.diagnostics else "")
-        )
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     log(f"config: {dataclasses.asdict(cfg)}")
