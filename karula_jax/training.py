@@ -22,7 +22,17 @@ pure building block to ``jax.vmap`` yourself.
 Checkpoints are ``.npz`` files (no pickle): the state's leaves, the round-info and metric
 histories, and a JSON header with the tree structure, shapes and dtypes, written to a
 temporary file and moved into place with ``os.replace`` so a killed run never leaves a
-torn checkpoint.
+torn checkpoint (a temporary file left by a kill is removed by the next :func:`run` on
+that directory). The header also holds fingerprints of the run: a hash of the traced
+``init`` and ``round`` programs together with the constants they close over (so another
+algorithm or other hyperparameters, traced grid values included, change it), sha256
+hashes of the data and the initial model, the key and ``chunk_size``. A resumed run
+refuses a checkpoint whose fingerprints differ from its own and names what differs.
+
+At the end of a run the driver summarizes the projection diagnostics of every round
+(:attr:`RunResult.diagnostics`, :func:`round_diagnostics`) and warns
+(:class:`ProjectionNotConvergedWarning`) when some round's projection stopped at its
+iteration cap before reaching its tolerance.
 """
 
 from __future__ import annotations
@@ -32,9 +42,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
+import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -42,16 +55,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 
 __all__ = [
     "CHECKPOINT_NAME",
+    "ProjectionNotConvergedWarning",
     "RunResult",
     "client_mesh",
     "load_checkpoint",
     "product_grid",
+    "round_diagnostics",
     "run",
     "run_many",
     "save_checkpoint",
@@ -61,7 +77,21 @@ __all__ = [
 ]
 
 CHECKPOINT_NAME = "checkpoint.npz"
-_FORMAT = "karula_jax.training.checkpoint/1"
+# /2: RoundInfo.proj_converged, run fingerprints (algorithm, data content, params).
+_FORMAT = "karula_jax.training.checkpoint/2"
+# Temporary files of :func:`save_checkpoint` (and the writability probe of :func:`run`)
+# start with this prefix; :func:`run` deletes leftovers in its checkpoint directory.
+_TMP_PREFIX = ".tmp-karula_jax-"
+
+
+class ProjectionNotConvergedWarning(RuntimeWarning):
+    """Some rounds' projection stopped at its iteration cap before reaching its tolerance.
+
+    Such a projection is still feasible (see :mod:`karula_jax.projection`) but only
+    ``proj_delta``-optimal. Raise the algorithm's ``projection_max_iter`` (or its
+    ``projection_tol``) if the reported gap matters.
+    """
+
 
 EvalFn = Callable[[Any, Any], Mapping[str, Any]]
 
@@ -85,6 +115,9 @@ class RunResult(NamedTuple):
         work is counted (a resumed run does not inherit the killed run's times).
       nonfinite_round: first round (0-based) whose info reported a non-finite value when
         ``on_nonfinite="record"``; ``None`` if every round was finite.
+      diagnostics: :func:`round_diagnostics` of ``info``: the worst certified projection
+        gap, the largest constraint violation and the rounds whose projection did not
+        converge (of any batch member).
     """
 
     state: FedState
@@ -93,6 +126,7 @@ class RunResult(NamedTuple):
     metric_rounds: np.ndarray  # [num_evals] int64
     timings: dict[str, float]
     nonfinite_round: int | None = None
+    diagnostics: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- pure core
@@ -130,7 +164,7 @@ def scan_rounds(
 
 def _masked_chunk(algorithm: Algorithm, chunk_size: int):
     """A chunk of ``chunk_size`` scan steps of which only the first ``num_active`` run."""
-    round_fn = jax.jit(algorithm.round)
+    round_fn = _jitted_round(algorithm)
 
     def chunk(state, data, num_active):
         # Shapes of the info come from the traced round; jit's trace cache makes the
@@ -156,6 +190,12 @@ def _masked_chunk(algorithm: Algorithm, chunk_size: int):
 @functools.lru_cache(maxsize=32)
 def _jitted_init(algorithm: Algorithm):
     return jax.jit(algorithm.init)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_round(algorithm: Algorithm):
+    # Shared by the chunk and the checkpoint fingerprint, so that both use one trace.
+    return jax.jit(algorithm.round)
 
 
 @functools.lru_cache(maxsize=32)
@@ -208,15 +248,68 @@ def _key_fingerprint(key) -> list:
     return np.asarray(jax.device_get(data)).ravel().tolist()
 
 
-def _data_fingerprint(data) -> str:
-    """Shapes and dtypes of every data leaf plus a hash of small integer leaves (counts)."""
+def _hash_array(h, x) -> None:
+    if _is_key(x):
+        h.update(f"key:{jax.random.key_impl(x)}".encode())
+        x = jax.random.key_data(x)
+    a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    h.update(f"{a.shape}{a.dtype}".encode())
+    h.update(a.tobytes())
+
+
+def _content_hash(tree) -> str:
+    """sha256 of a pytree: its structure and every leaf's shape, dtype and bytes."""
     h = hashlib.sha256()
-    for leaf in jax.tree.leaves(data):
-        shape, dtype = np.shape(leaf), np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-        h.update(f"{shape}{dtype}".encode())
-        # Only small integer leaves (the counts) are read back: feature arrays stay put.
-        if np.issubdtype(dtype, np.integer) and int(np.prod(shape)) <= 100_000:
-            h.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+    leaves, treedef = jax.tree.flatten(tree)
+    h.update(str(treedef).encode())
+    for leaf in leaves:
+        _hash_array(h, leaf)
+    return h.hexdigest()
+
+
+def _data_fingerprint(data) -> str:
+    """sha256 of the data's content (structure, shapes, dtypes and every byte)."""
+    return _content_hash(data)
+
+
+# Function reprs (``<function f at 0x7f...>``) may appear in some primitives' params.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _hash_jaxpr_consts(h, jaxpr) -> None:
+    """Hashes the constants of a (closed) jaxpr and of every jaxpr nested in its eqns."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        for c in jaxpr.consts:
+            _hash_array(h, c)
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        stack = list(eqn.params.values())
+        while stack:
+            v = stack.pop()
+            if isinstance(v, ClosedJaxpr | Jaxpr):
+                _hash_jaxpr_consts(h, v)
+            elif isinstance(v, tuple | list):
+                stack.extend(reversed(v))
+
+
+def _algorithm_fingerprint(algorithm: Algorithm, template, params, data, key) -> str:
+    """sha256 of the traced ``init`` and ``round`` programs and their closed-over constants.
+
+    Another algorithm, other hyperparameters (Python floats become literals of the program
+    text; arrays, including the traced grid values of :func:`vmap_algorithm`, become its
+    constants) or other static settings change it. ``template`` is the state's
+    ``jax.eval_shape``, so a fresh and a resumed run trace the same abstract values. The
+    traces are the jit caches' (``_jitted_init``/``_jitted_round``), which the chunk reuses.
+    """
+    init = _jitted_init(algorithm)
+    h = hashlib.sha256()
+    programs = (
+        jax.make_jaxpr(lambda p, d, k: init(p, d, key=k))(params, data, key),
+        jax.make_jaxpr(_jitted_round(algorithm))(template, data),
+    )
+    for closed in programs:
+        h.update(_ADDRESS.sub("", str(closed)).encode())
+        _hash_jaxpr_consts(h, closed)
     return h.hexdigest()
 
 
@@ -231,6 +324,10 @@ def save_checkpoint(
     extra_meta: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes a state pytree and histories to ``path`` (``.npz``, no pickle), atomically.
+
+    The file is written to a temporary file in the same directory (name starting with
+    ``.tmp-karula_jax-``), flushed to disk and moved over ``path`` with ``os.replace``:
+    ``path`` always holds either the previous checkpoint or the new one.
 
     Args:
       path: destination file.
@@ -251,7 +348,7 @@ def save_checkpoint(
         value = jax.random.key_data(leaf) if _is_key(leaf) else leaf
         arrays[f"state_{i:04d}"] = np.asarray(jax.device_get(value))
     if info is not None:
-        for name, value in zip(RoundInfo._fields, info, strict=True):
+        for name, value in zip(info._fields, info, strict=True):
             arrays[f"info_{name}"] = np.asarray(value)
     metrics = dict(metrics or {})
     names = sorted(metrics)
@@ -265,6 +362,7 @@ def save_checkpoint(
         "treedef": str(treedef),
         "leaves": specs,
         "has_info": info is not None,
+        "info_fields": list(info._fields) if info is not None else None,
         "metric_names": names,
         **dict(extra_meta or {}),
     }
@@ -272,7 +370,7 @@ def save_checkpoint(
 
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX, suffix=".npz")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -283,6 +381,45 @@ def save_checkpoint(
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+class _Corrupt(Exception):
+    """Internal: what is wrong with a checkpoint file (turned into a ValueError)."""
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file, read without pickle; :class:`_Corrupt` otherwise."""
+    # Checked first so that numpy never gets to interpret a non-zip file (its error for
+    # those suggests unpickling it).
+    if not zipfile.is_zipfile(path):
+        size = os.path.getsize(path)
+        raise _Corrupt("empty file" if size == 0 else f"not a zip/npz archive ({size} bytes)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as err:
+        text = str(err)
+        if "pickle" in text:  # an object array: not something this module writes
+            text = "holds an array that is not plain numeric data"
+        raise _Corrupt(f"unreadable archive ({type(err).__name__}: {text})") from err
+
+
+def _meta_field(meta: dict, name: str, kind: type | tuple[type, ...]):
+    if name not in meta:
+        raise _Corrupt(f"header has no {name!r}")
+    value = meta[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise _Corrupt(f"header field {name!r} is {value!r}")
+    return value
+
+
+def _entry(files: dict, name: str, shape: tuple | None = None) -> np.ndarray:
+    if name not in files:
+        raise _Corrupt(f"missing array {name!r}")
+    value = files[name]
+    if shape is not None and value.shape != tuple(shape):
+        raise _Corrupt(f"array {name!r} has shape {value.shape}, its header says {tuple(shape)}")
+    return value
 
 
 def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict]:
@@ -300,44 +437,100 @@ def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict
 
     Raises:
       FileNotFoundError: if ``path`` does not exist.
-      ValueError: if the file is not such a checkpoint or its structure, shapes or dtypes
-        differ from ``like``.
+      ValueError: naming ``path``, if the file is empty, truncated, corrupt or not such a
+        checkpoint (another format version, round-info fields of another version), or
+        its structure, shapes or dtypes differ from ``like``.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
-    with np.load(path, allow_pickle=False) as z:
-        files = {k: z[k] for k in z.files}
-    if "meta" not in files:
-        raise ValueError(f"{path} is not a karula_jax checkpoint (no 'meta' entry)")
-    meta = json.loads(str(files["meta"]))
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path} is not a file")
     like_leaves, treedef = jax.tree.flatten(like)
-    if meta["treedef"] != str(treedef):
+    try:
+        files = _read_npz(path)
+        try:
+            meta = json.loads(str(_entry(files, "meta", ())))
+        except json.JSONDecodeError as err:
+            raise _Corrupt(f"malformed JSON header ({err})") from err
+        if not isinstance(meta, dict):
+            raise _Corrupt(f"header is a JSON {type(meta).__name__}, not an object")
+        if meta.get("format") != _FORMAT:
+            raise _Corrupt(f"format {meta.get('format')!r}, this version reads {_FORMAT!r}")
+        rounds_done = _meta_field(meta, "rounds_done", int)
+        if rounds_done < 0:
+            raise _Corrupt(f"rounds_done={rounds_done}")
+        stored_treedef = _meta_field(meta, "treedef", str)
+        specs = _meta_field(meta, "leaves", list)
+        has_info = _meta_field(meta, "has_info", bool)
+        metric_names = _meta_field(meta, "metric_names", list)
+        for spec in specs:
+            if not (
+                isinstance(spec, dict)
+                and isinstance(spec.get("shape"), list)
+                and isinstance(spec.get("dtype"), str)
+                and "key_impl" in spec
+            ):
+                raise _Corrupt(f"malformed leaf entry {spec!r} in the header")
+    except _Corrupt as err:
+        raise ValueError(
+            f"checkpoint {path} is corrupt or not a karula_jax checkpoint: {err}"
+        ) from err.__cause__
+
+    if stored_treedef != str(treedef) or len(specs) != len(like_leaves):
         raise ValueError(
             f"checkpoint {path} holds a state of a different structure:\n"
-            f"  checkpoint: {meta['treedef']}\n  expected:   {treedef}"
+            f"  checkpoint: {stored_treedef}\n  expected:   {treedef}"
         )
-    leaves = []
-    for i, (spec, ref) in enumerate(zip(meta["leaves"], like_leaves, strict=True)):
-        want = _spec_of_struct(ref)
-        if spec["shape"] != want["shape"] or spec["dtype"] != want["dtype"]:
-            raise ValueError(
-                f"checkpoint {path}: state leaf {i} has shape {tuple(spec['shape'])} and dtype "
-                f"{spec['dtype']}, expected shape {tuple(want['shape'])} and dtype {want['dtype']}"
-            )
-        value = files[f"state_{i:04d}"]
-        if spec["key_impl"] is not None:
-            leaves.append(jax.random.wrap_key_data(jnp.asarray(value), impl=spec["key_impl"]))
-        else:
-            leaves.append(jnp.asarray(value))
+    try:
+        leaves = []
+        for i, (spec, ref) in enumerate(zip(specs, like_leaves, strict=True)):
+            want = _spec_of_struct(ref)
+            if spec["shape"] != want["shape"] or spec["dtype"] != want["dtype"]:
+                raise ValueError(
+                    f"checkpoint {path}: state leaf {i} has shape {tuple(spec['shape'])} and "
+                    f"dtype {spec['dtype']}, expected shape {tuple(want['shape'])} and dtype "
+                    f"{want['dtype']}"
+                )
+            if spec["key_impl"] is not None:
+                value = _entry(files, f"state_{i:04d}")
+                try:
+                    key = jax.random.wrap_key_data(jnp.asarray(value), impl=spec["key_impl"])
+                except (TypeError, ValueError) as err:
+                    raise _Corrupt(f"state leaf {i} is not key data of {spec['key_impl']}") from err
+                if list(key.shape) != spec["shape"]:
+                    raise _Corrupt(f"state leaf {i} has key shape {key.shape}")
+                leaves.append(key)
+            else:
+                value = _entry(files, f"state_{i:04d}", spec["shape"])
+                if str(value.dtype) != spec["dtype"]:
+                    raise _Corrupt(f"array state_{i:04d} has dtype {value.dtype}")
+                leaves.append(jnp.asarray(value))
+        info = None
+        if has_info:
+            fields = meta.get("info_fields")
+            if fields is None:
+                fields = [k[len("info_") :] for k in files if k.startswith("info_")]
+            if list(fields) != list(RoundInfo._fields):
+                missing = [f for f in RoundInfo._fields if f not in fields]
+                extra = [f for f in fields if f not in RoundInfo._fields]
+                raise ValueError(
+                    f"checkpoint {path} holds round info with fields {list(fields)}, this "
+                    f"version of karula_jax has {list(RoundInfo._fields)} (missing: {missing}, "
+                    f"unexpected: {extra}); it cannot be resumed"
+                )
+            info = RoundInfo(*(_entry(files, f"info_{name}") for name in RoundInfo._fields))
+            if {a.shape[:1] for a in info} != {(rounds_done,)}:
+                raise _Corrupt(f"round-info arrays do not all hold {rounds_done} rounds")
+        metrics = {name: _entry(files, f"metric_{i:04d}") for i, name in enumerate(metric_names)}
+        metric_rounds = files.get("metric_rounds", np.zeros((0,), np.int64))
+        if any(m.shape[:1] != metric_rounds.shape for m in metrics.values()):
+            raise _Corrupt("metric arrays and metric_rounds disagree in length")
+    except _Corrupt as err:
+        raise ValueError(
+            f"checkpoint {path} is corrupt or not a karula_jax checkpoint: {err}"
+        ) from err.__cause__
     state = jax.tree.unflatten(treedef, leaves)
-    info = None
-    if meta["has_info"]:
-        info = RoundInfo(*(files[f"info_{name}"] for name in RoundInfo._fields))
-    metrics = {name: files[f"metric_{i:04d}"] for i, name in enumerate(meta["metric_names"])}
-    metric_rounds = files.get("metric_rounds", np.zeros((0,), np.int64))
     histories = {"info": info, "metrics": metrics, "metric_rounds": metric_rounds}
     return state, histories, meta
 
@@ -448,6 +641,60 @@ def _stack_infos(parts: list[RoundInfo]) -> RoundInfo:
     return RoundInfo(*(np.concatenate(f, axis=0) for f in zip(*parts, strict=True)))
 
 
+def round_diagnostics(info: RoundInfo | None) -> dict[str, Any]:
+    """Summary of the projection diagnostics of a run's rounds.
+
+    Args:
+      info: a :class:`RoundInfo` whose leaves have a leading round axis
+        ``[num_rounds, ...]`` (batch axes may follow, as in :func:`run_many`), e.g.
+        :attr:`RunResult.info` or the ``info`` of :func:`scan_rounds`; ``None`` for none.
+
+    Returns:
+      dict with ``num_rounds``; ``worst_proj_delta``, the largest certified projection
+      gap of any round and batch member (NaN ignored; 0.0 with no rounds);
+      ``max_proj_violation``, likewise for the constraint violation; and
+      ``unconverged_rounds``, the 0-based rounds (list of int) in which the projection of
+      some batch member did not converge.
+    """
+    if info is None:
+        return {
+            "num_rounds": 0,
+            "worst_proj_delta": 0.0,
+            "max_proj_violation": 0.0,
+            "unconverged_rounds": [],
+        }
+    num = int(np.shape(info.loss)[0])
+
+    def worst(x) -> float:
+        x = np.asarray(x, dtype=np.float64)
+        finite = x[~np.isnan(x)]
+        return float(finite.max()) if finite.size else (math.nan if x.size else 0.0)
+
+    converged = np.asarray(info.proj_converged).reshape(num, -1).all(axis=1)
+    return {
+        "num_rounds": num,
+        "worst_proj_delta": worst(info.proj_delta),
+        "max_proj_violation": worst(info.proj_violation),
+        "unconverged_rounds": np.flatnonzero(~converged).tolist(),
+    }
+
+
+def _warn_unconverged(diagnostics: Mapping[str, Any]) -> None:
+    bad = diagnostics["unconverged_rounds"]
+    if not bad:
+        return
+    shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+    warnings.warn(
+        f"the projection did not converge in {len(bad)} of {diagnostics['num_rounds']} "
+        f"rounds (0-based: {shown}); worst certified gap proj_delta="
+        f"{diagnostics['worst_proj_delta']:.3g}, max violation "
+        f"{diagnostics['max_proj_violation']:.3g}. The models are feasible but only "
+        "approximately projected: raise projection_max_iter (or projection_tol).",
+        ProjectionNotConvergedWarning,
+        stacklevel=3,
+    )
+
+
 def _stack_metrics(history: list[dict]) -> dict[str, np.ndarray]:
     if not history:
         return {}
@@ -461,6 +708,59 @@ def _check_metrics(out: Any) -> dict[str, np.ndarray]:
         if not isinstance(k, str):
             raise TypeError(f"eval_fn must return a dict with str keys, got key {k!r}")
     return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
+
+
+def _prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike) -> None:
+    """Creates ``checkpoint_dir``, proves it writable and deletes stale temporary files.
+
+    Raises:
+      OSError (the subclass of the failure, e.g. NotADirectoryError, PermissionError)
+      naming ``checkpoint_dir``.
+    """
+    directory = os.fspath(checkpoint_dir)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        # os.access is not enough (root ignores permission bits; read-only mounts): write.
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX, suffix=".probe")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise OSError(
+            err.errno, f"checkpoint_dir {directory!r} cannot be created or written to: {err}"
+        ) from err
+    # Left by a run killed between creating its temporary file and os.replace; only a
+    # concurrent run on the same directory could still be writing one.
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                try:
+                    os.remove(entry.path)
+                except FileNotFoundError:
+                    pass
+
+
+def _check_same_run(path: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Raises a ValueError naming every fingerprint of ``meta`` that differs from this run."""
+    what = {
+        "algorithm": "algorithm or hyperparameters (the traced init/round programs or the "
+        "constants they close over differ)",
+        "data": "data content (sha256 of the data arrays)",
+        "params": "initial params (sha256 of the model every client starts from)",
+        "chunk_size": "chunk_size (checkpoint: {old}, this run: {new}; resume needs the "
+        "same chunk_size to be bit-identical)",
+        "key": "key (it was written by a run with a different key; pass the key of the run "
+        "being resumed)",
+    }
+    diffs = [
+        text.format(old=meta.get(name), new=expected[name])
+        for name, text in what.items()
+        if meta.get(name) != expected[name]
+    ]
+    if diffs:
+        raise ValueError(
+            f"checkpoint {path} was written by a different run; refusing to resume. "
+            "What differs: " + "; ".join(diffs)
+        )
 
 
 def run(
@@ -502,11 +802,16 @@ def run(
         ``data``.
       eval_every_chunk: evaluate after every chunk (True) or only at start and end.
       checkpoint_dir: if given, ``<checkpoint_dir>/checkpoint.npz`` is rewritten
-        atomically after every chunk.
+        atomically after every chunk. The directory is created if needed and checked
+        to be writable before anything is compiled; temporary files a killed run left
+        in it (``.tmp-karula_jax-*``) are deleted, so two runs must not share it.
       resume: continue from the checkpoint in ``checkpoint_dir`` instead of calling
-        ``init``; with the same ``chunk_size`` the result is bit-identical to an
-        uninterrupted run. If the checkpoint already holds ``num_rounds`` rounds it is
-        returned as is.
+        ``init``; the result is bit-identical to an uninterrupted run. The checkpoint
+        must come from the same run: the same algorithm and hyperparameters (a hash of
+        the traced ``init``/``round`` programs and the constants they close over), the
+        same data content and initial ``params`` (sha256), ``chunk_size`` and key;
+        otherwise a ValueError names what differs. If the checkpoint already holds
+        ``num_rounds`` rounds it is returned as is.
       on_nonfinite: ``"raise"`` (default): after a chunk in which some round reported
         ``finite=False``, raise :class:`FloatingPointError` naming the first such round
         (no checkpoint is written for that chunk; the exception's ``result`` attribute
@@ -517,11 +822,15 @@ def run(
       progress: show a progress bar (tqdm if installed, else lines on stderr).
 
     Returns:
-      A :class:`RunResult`.
+      A :class:`RunResult`. If some round's projection did not converge (its
+      ``RoundInfo.proj_converged`` is False), a :class:`ProjectionNotConvergedWarning`
+      names those rounds and the worst certified gap (also in ``diagnostics``).
 
     Raises:
       ValueError: bad ``num_rounds``/``chunk_size``/``on_nonfinite``, ``resume`` without a
-        checkpoint, or a checkpoint whose structure, key or data differ from this run.
+        checkpoint, a corrupt checkpoint, or one written by a different run (structure,
+        algorithm or hyperparameters, data content, initial params, chunk size or key).
+      OSError: ``checkpoint_dir`` cannot be created or written to (before any compiling).
       TypeError: non-integer sizes, or ``eval_fn`` not returning a dict.
       FloatingPointError: a round produced NaN/inf and ``on_nonfinite="raise"``.
     """
@@ -535,6 +844,10 @@ def run(
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir (where the checkpoint lives)")
     ckpt_path = None if checkpoint_dir is None else os.path.join(checkpoint_dir, CHECKPOINT_NAME)
+    if resume and not os.path.isfile(ckpt_path):
+        raise ValueError(f"resume=True but there is no checkpoint at {ckpt_path}")
+    if checkpoint_dir is not None:
+        _prepare_checkpoint_dir(checkpoint_dir)
     if eval_data is None:
         eval_data = data
     if mesh is not None:
@@ -542,27 +855,24 @@ def run(
         eval_data = shard_leading_axis(eval_data, mesh)
 
     init = _jitted_init(algorithm)
-    key_print = _key_fingerprint(key)
-    data_print = _data_fingerprint(data)
-    ckpt_meta = {"key": key_print, "data": data_print, "chunk_size": chunk_size}
+    ckpt_meta = {}
+    if ckpt_path is not None:
+        template = jax.eval_shape(init, params, data, key=key)
+        if resume:  # first: a state of another structure cannot even be traced
+            state, hist, meta = load_checkpoint(ckpt_path, template)
+        ckpt_meta = {
+            "key": _key_fingerprint(key),
+            "algorithm": _algorithm_fingerprint(algorithm, template, params, data, key),
+            "data": _data_fingerprint(data),
+            "params": _content_hash(params),
+            "chunk_size": chunk_size,
+        }
 
     info_parts: list[RoundInfo] = []
     metric_history: list[dict] = []
     metric_rounds: list[int] = []
     if resume:
-        if not os.path.isfile(ckpt_path):
-            raise ValueError(f"resume=True but there is no checkpoint at {ckpt_path}")
-        template = jax.eval_shape(init, params, data, key=key)
-        state, hist, meta = load_checkpoint(ckpt_path, template)
-        if meta.get("key") != key_print:
-            raise ValueError(
-                f"checkpoint {ckpt_path} was written by a run with a different key; "
-                "pass the key of the run being resumed"
-            )
-        if meta.get("data") != data_print:
-            raise ValueError(
-                f"checkpoint {ckpt_path} was written for data of different shapes or counts"
-            )
+        _check_same_run(ckpt_path, meta, ckpt_meta)
         done = int(meta["rounds_done"])
         if done > num_rounds:
             raise ValueError(
@@ -621,10 +931,13 @@ def run(
             metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
             timings=dict(timings),
             nonfinite_round=nonfinite,
+            diagnostics=round_diagnostics(info),
         )
 
     if done == num_rounds:
-        return result()
+        out = result()
+        _warn_unconverged(out.diagnostics)
+        return out
 
     t0 = time.perf_counter()
     compiled = (
@@ -689,7 +1002,9 @@ def run(
             bar.update(done, active, active / dt, _scalar_summary(last_info, last_metrics))
     finally:
         bar.close()
-    return result(first_bad)
+    out = result(first_bad)
+    _warn_unconverged(out.diagnostics)
+    return out
 
 
 # --------------------------------------------------------------------------- batches of runs

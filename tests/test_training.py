@@ -20,12 +20,14 @@ from karula_jax.data import from_client_arrays
 TRACES = {"round": 0, "eval": 0}
 
 
-def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None):
+def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None, unconverged=()):
     """Per-client quadratic ``f_i(w) = 0.5 mean_j ||w - x_ij||^2`` (masked).
 
     Each round, ``s`` clients sampled without replacement take a noisy gradient step, then
     every model moves a fraction ``t`` towards the mean model. ``nan_at`` injects a NaN into
-    the parameters at that round. ``eta`` and ``t`` may be traced.
+    the parameters at that round. The rounds in ``unconverged`` report an unconverged
+    "projection" with gap ``proj_delta = 0.25 * (round + 1)``, the others a converged one
+    with gap ``1e-3``. ``eta`` and ``t`` may be traced.
     """
 
     def loss_i(w, x, mask):
@@ -65,8 +67,16 @@ def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None):
         finite = jnp.isfinite(loss) & jnp.all(
             jnp.array([jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)])
         )
-        zero = jnp.zeros((), jnp.float32)
-        info = RoundInfo(loss, part, zero, zero, jnp.zeros((), jnp.int32), finite)
+        bad = jnp.isin(state.round, jnp.asarray(unconverged, jnp.int32))
+        info = RoundInfo(
+            loss=loss,
+            participants=part,
+            proj_delta=jnp.where(bad, 0.25 * (state.round + 1), 1e-3).astype(jnp.float32),
+            proj_violation=jnp.zeros((), jnp.float32),
+            proj_iterations=jnp.zeros((), jnp.int32),
+            proj_converged=~bad,
+            finite=finite,
+        )
         return state._replace(params=params, round=state.round + 1), info
 
     def client_params(state, data):
@@ -507,12 +517,12 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     d = np.asarray(jnp.sum((prob.theta_true[:, None] - prob.theta_true[None]) ** 2, -1))
     loss = ridge_loss(1e-3)
 
-    def make(t):
+    def make(t, learning_rate=0.5):
         return karula(
             loss,
             d,
             t=t,
-            learning_rate=0.5,
+            learning_rate=learning_rate,
             clients_per_round=2,
             batch_size=4,
             projection_max_iter=200,
@@ -524,8 +534,21 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     kw = dict(chunk_size=2, progress=False)
     full = training.run(alg, params, prob.train, key=key, num_rounds=4, **kw)
     training.run(alg, params, prob.train, key=key, num_rounds=2, checkpoint_dir=tmp_path, **kw)
+    # Karula instances that differ only in t or in the step size cannot resume it.
+    for other in (make(0.31), make(0.3, learning_rate=0.6)):
+        with pytest.raises(ValueError, match="What differs: algorithm or hyperparameters"):
+            training.run(
+                other,
+                params,
+                prob.train,
+                key=key,
+                num_rounds=4,
+                checkpoint_dir=tmp_path,
+                resume=True,
+                **kw,
+            )
     resumed = training.run(
-        alg,
+        make(0.3),  # the same settings in a new object are accepted
         params,
         prob.train,
         key=key,
@@ -537,6 +560,7 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     leaves_equal(full.state, resumed.state)
     leaves_equal(full.info, resumed.info)
     assert (full.info.proj_iterations > 0).any()  # the constraints were active
+    assert full.info.proj_converged.all() and full.diagnostics["unconverged_rounds"] == []
 
     keys = jax.random.split(key, 2)
     many = training.run_many(
@@ -573,3 +597,387 @@ def test_eval_data_can_hold_train_and_test():
     final = ALG.client_params(res.state, DATA)
     np.testing.assert_allclose(res.metrics["test"][-1], eval_fn(final, test)["loss"], rtol=1e-6)
     np.testing.assert_allclose(res.metrics["train"][-1], eval_fn(final, DATA)["loss"], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- projection reports
+
+
+def test_unconverged_rounds_warn_and_are_summarized():
+    alg = toy(unconverged=(1, 4))
+    with pytest.warns(
+        training.ProjectionNotConvergedWarning,
+        match=r"did not converge in 2 of 6 rounds \(0-based: 1, 4\); worst certified gap "
+        r"proj_delta=1\.25",
+    ):
+        res = training.run(
+            alg, PARAMS, DATA, key=jax.random.PRNGKey(0), num_rounds=6, chunk_size=4, progress=False
+        )
+    np.testing.assert_array_equal(res.info.proj_converged, [1, 0, 1, 1, 0, 1])
+    assert res.diagnostics == {
+        "num_rounds": 6,
+        "worst_proj_delta": pytest.approx(1.25),
+        "max_proj_violation": 0.0,
+        "unconverged_rounds": [1, 4],
+    }
+    # Converged runs stay silent (warnings are errors here) and say so.
+    ok = training.run(ALG, PARAMS, DATA, key=jax.random.PRNGKey(0), num_rounds=2, progress=False)
+    assert ok.diagnostics["unconverged_rounds"] == []
+    assert ok.diagnostics["worst_proj_delta"] == pytest.approx(1e-3)
+
+
+def test_round_diagnostics_of_batched_and_long_histories():
+    n = DATA.num_clients
+    conv = np.ones((30, 2, 3), bool)
+    conv[[3, 7, 8, 9, 10, 11, 12, 13, 14, 20], 1, 2] = False
+    delta = np.full((30, 2, 3), 1e-4, np.float32)
+    delta[5, 0, 0], delta[6, 0, 0] = 0.5, np.nan  # NaN (a diverged run) is ignored
+    info = RoundInfo(
+        loss=np.zeros((30, 2, 3)),
+        participants=np.zeros((30, 2, 3, n), bool),
+        proj_delta=delta,
+        proj_violation=np.zeros((30, 2, 3)),
+        proj_iterations=np.zeros((30, 2, 3), np.int32),
+        proj_converged=conv,
+        finite=np.ones((30, 2, 3), bool),
+    )
+    diag = training.round_diagnostics(info)
+    assert diag["unconverged_rounds"] == [3, 7, 8, 9, 10, 11, 12, 13, 14, 20]
+    assert diag["worst_proj_delta"] == pytest.approx(0.5) and diag["num_rounds"] == 30
+    with pytest.warns(
+        training.ProjectionNotConvergedWarning, match=r"\(0-based: 3, 7, .*, 13, \.\.\.\)"
+    ):
+        training._warn_unconverged(diag)
+    assert training.round_diagnostics(None)["unconverged_rounds"] == []
+
+
+def test_run_many_reports_rounds_unconverged_in_any_member():
+    hyper = {"t": jnp.array([0.0, 0.5])}
+    keys = jax.random.split(jax.random.PRNGKey(5), 2)
+    with pytest.warns(training.ProjectionNotConvergedWarning, match=r"0-based: 2\)"):
+        many = training.run_many(
+            lambda t: toy(t=t, unconverged=(2,)),
+            PARAMS,
+            DATA,
+            keys=keys,
+            hyper=hyper,
+            num_rounds=3,
+            chunk_size=3,
+            progress=False,
+        )
+    assert many.info.proj_converged.shape == (3, 2, 2)
+    assert many.diagnostics["unconverged_rounds"] == [2]
+
+
+# --------------------------------------------------------------------------- resume refuses
+
+
+def _resume(alg, tmp_path, *, params=PARAMS, data=DATA, key=None, chunk_size=2, num_rounds=4):
+    key = jax.random.PRNGKey(0) if key is None else key
+    return training.run(
+        alg,
+        params,
+        data,
+        key=key,
+        num_rounds=num_rounds,
+        chunk_size=chunk_size,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+
+
+def test_resume_refuses_another_run_and_names_what_differs(tmp_path):
+    key = jax.random.PRNGKey(0)
+    training.run(
+        ALG,
+        PARAMS,
+        DATA,
+        key=key,
+        num_rounds=2,
+        chunk_size=2,
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
+    path = str(tmp_path / training.CHECKPOINT_NAME)
+
+    def refused(what, **kw):
+        return pytest.raises(ValueError, match=rf"checkpoint {path} .*What differs: .*{what}")
+
+    TRACES.update(round=0)
+    with refused(r"algorithm or hyperparameters"):
+        _resume(toy(eta=0.31), tmp_path)  # a Python float: a literal of the program
+    with refused(r"algorithm or hyperparameters"):
+        _resume(toy(t=jnp.float32(0.6)), tmp_path)  # an array: a constant of the program
+    with refused(r"algorithm or hyperparameters"):
+        _resume(toy(s=3), tmp_path)
+    assert TRACES["round"] == 3  # refused after tracing, before compiling anything
+    other = DATA._replace(x=DATA.x.at[0, 0, 0].add(1e-3))  # same shapes and counts
+    with refused(r"data content"):
+        _resume(ALG, tmp_path, data=other)
+    with refused(r"initial params"):
+        _resume(ALG, tmp_path, params={"a": jnp.ones(3), "b": jnp.zeros(())})
+    with refused(r"chunk_size \(checkpoint: 2, this run: 3"):
+        _resume(ALG, tmp_path, chunk_size=3)
+    with refused(r"different key"):
+        _resume(ALG, tmp_path, key=jax.random.PRNGKey(1))
+    with refused(r"algorithm or hyperparameters.*; data content.*; chunk_size"):
+        _resume(toy(eta=0.2), tmp_path, data=other, chunk_size=1)
+    # The same run (a new but identical algorithm object) is accepted.
+    res = _resume(toy(), tmp_path)
+    assert res.info.loss.shape == (4,)
+
+
+def test_resume_refuses_other_grid_values(tmp_path):
+    keys = jax.random.split(jax.random.PRNGKey(5), 2)
+    kw = dict(keys=keys, chunk_size=2, checkpoint_dir=tmp_path, progress=False)
+
+    def make(t, eta):
+        return toy(eta=eta, t=t)
+
+    grid = training.product_grid(t=[0.0, 0.5], eta=[0.3])
+    training.run_many(make, PARAMS, DATA, hyper=grid, num_rounds=2, **kw)
+    other = training.product_grid(t=[0.0, 0.4], eta=[0.3])  # traced values, same shapes
+    with pytest.raises(ValueError, match="algorithm or hyperparameters"):
+        training.run_many(make, PARAMS, DATA, hyper=other, num_rounds=4, resume=True, **kw)
+    res = training.run_many(make, PARAMS, DATA, hyper=grid, num_rounds=4, resume=True, **kw)
+    assert res.info.loss.shape == (4, 2, 2)
+
+
+# --------------------------------------------------------------------------- bad checkpoint files
+
+
+@pytest.fixture(scope="module")
+def valid_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("valid")
+    training.run(
+        ALG,
+        PARAMS,
+        DATA,
+        key=jax.random.PRNGKey(0),
+        num_rounds=2,
+        chunk_size=2,
+        eval_fn=eval_fn,
+        checkpoint_dir=directory,
+        progress=False,
+    )
+    path = directory / training.CHECKPOINT_NAME
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return path.read_bytes(), arrays
+
+
+def _npz_bytes(arrays, tmp_path):
+    np.savez(tmp_path / "scratch.npz", **arrays)
+    return (tmp_path / "scratch.npz").read_bytes()
+
+
+def _with_meta(arrays, **changes):
+    meta = json.loads(str(arrays["meta"]))
+    meta.update(changes)
+    return {**arrays, "meta": np.array(json.dumps(meta))}
+
+
+BAD_FILES = {
+    "empty": lambda good, arrays, tmp: b"",
+    "truncated": lambda good, arrays, tmp: good[: len(good) // 2],
+    "random bytes": lambda good, arrays, tmp: np.random.default_rng(0).bytes(5000),
+    "npy, not npz": lambda good, arrays, tmp: (
+        np.save(tmp / "x.npy", np.zeros(3)),
+        (tmp / "x.npy").read_bytes(),
+    )[1],
+    "no meta": lambda good, arrays, tmp: _npz_bytes(
+        {k: v for k, v in arrays.items() if k != "meta"}, tmp
+    ),
+    "malformed JSON": lambda good, arrays, tmp: _npz_bytes(
+        {**arrays, "meta": np.array('{"format": ')}, tmp
+    ),
+    "meta not an object": lambda good, arrays, tmp: _npz_bytes(
+        {**arrays, "meta": np.array("[1, 2]")}, tmp
+    ),
+    "meta missing fields": lambda good, arrays, tmp: _npz_bytes(
+        {**arrays, "meta": np.array(json.dumps({"format": training._FORMAT}))}, tmp
+    ),
+    "missing state array": lambda good, arrays, tmp: _npz_bytes(
+        {k: v for k, v in arrays.items() if k != "state_0001"}, tmp
+    ),
+    "missing info array": lambda good, arrays, tmp: _npz_bytes(
+        {k: v for k, v in arrays.items() if k != "info_loss"}, tmp
+    ),
+    "state array of wrong shape": lambda good, arrays, tmp: _npz_bytes(
+        {**arrays, "state_0000": np.zeros((2, 2), np.float32)}, tmp
+    ),
+    "pickled object array": lambda good, arrays, tmp: _npz_bytes(
+        {**arrays, "info_loss": np.array([{"a": 1}], dtype=object)}, tmp
+    ),
+    "older format": lambda good, arrays, tmp: _npz_bytes(
+        _with_meta(arrays, format="karula_jax.training.checkpoint/1"), tmp
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_checkpoint_files_name_the_checkpoint(tmp_path, valid_checkpoint, kind):
+    good, arrays = valid_checkpoint
+    content = BAD_FILES[kind](good, arrays, tmp_path)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    path = directory / training.CHECKPOINT_NAME
+    path.write_bytes(content)
+    key = jax.random.PRNGKey(0)
+    template = jax.eval_shape(ALG.init, PARAMS, DATA, key=key)
+    pattern = rf"checkpoint {path} is corrupt or not a karula_jax checkpoint"
+    with pytest.raises(ValueError, match=pattern) as exc:
+        training.load_checkpoint(path, template)
+    assert "pickle" not in str(exc.value)
+    with pytest.raises(ValueError, match=pattern) as exc:
+        _resume(ALG, directory)
+    assert "pickle" not in str(exc.value)
+
+
+def test_checkpoint_with_other_round_info_fields_is_refused(tmp_path, valid_checkpoint):
+    _, arrays = valid_checkpoint
+    old = {k: v for k, v in arrays.items() if k != "info_proj_converged"}
+    fields = [f for f in RoundInfo._fields if f != "proj_converged"]
+    (tmp_path / training.CHECKPOINT_NAME).write_bytes(
+        _npz_bytes(_with_meta(old, info_fields=fields), tmp_path)
+    )
+    template = jax.eval_shape(ALG.init, PARAMS, DATA, key=jax.random.PRNGKey(0))
+    with pytest.raises(
+        ValueError, match=r"holds round info with fields .* \(missing: \['proj_converged'\]"
+    ):
+        training.load_checkpoint(tmp_path / training.CHECKPOINT_NAME, template)
+
+
+# --------------------------------------------------------------------------- checkpoint directory
+
+
+def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, monkeypatch):
+    alg = toy()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    TRACES.update(round=0)
+    for where in (blocker / "sub", blocker):
+        with pytest.raises(OSError, match=rf"checkpoint_dir '{where}' cannot be created"):
+            training.run(
+                alg, PARAMS, DATA, key=jax.random.PRNGKey(0), num_rounds=2, checkpoint_dir=where
+            )
+
+    # Permission bits do not stop root, so a refused write is simulated.
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(training.tempfile, "mkstemp", refuse)
+    with pytest.raises(PermissionError, match=r"checkpoint_dir .*read_only.* cannot be"):
+        training.run(
+            alg,
+            PARAMS,
+            DATA,
+            key=jax.random.PRNGKey(0),
+            num_rounds=2,
+            checkpoint_dir=tmp_path / "read_only",
+        )
+    assert TRACES["round"] == 0  # nothing was traced, let alone compiled
+
+
+def test_run_removes_temporary_files_left_by_a_kill(tmp_path):
+    stale = tmp_path / f"{training._TMP_PREFIX}abc123.npz"
+    stale.write_bytes(b"half a checkpoint")
+    unrelated = [tmp_path / "notes.txt", tmp_path / ".tmp-someone-else.npz"]
+    for f in unrelated:
+        f.write_text("keep me")
+    training.run(
+        ALG,
+        PARAMS,
+        DATA,
+        key=jax.random.PRNGKey(0),
+        num_rounds=2,
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
+    assert not stale.exists()
+    assert all(f.exists() for f in unrelated)
+    assert (tmp_path / training.CHECKPOINT_NAME).exists()
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+from karula_jax import training
+
+def savez_then_die(f, **arrays):
+    f.write(b"PK\\x03\\x04 a torn archive")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+training.np.savez = savez_then_die
+training.save_checkpoint(sys.argv[1], {"a": np.ones(3)}, rounds_done=2)
+"""
+
+
+def test_checkpoint_survives_a_kill_mid_write_and_run_cleans_up(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / training.CHECKPOINT_NAME
+    training.save_checkpoint(path, {"a": np.zeros(3)}, rounds_done=1)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(path)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    leftovers = [f for f in os.listdir(tmp_path) if f.startswith(training._TMP_PREFIX)]
+    assert len(leftovers) == 1
+    state, _, meta = training.load_checkpoint(path, {"a": np.zeros(3)})  # the old one, intact
+    assert meta["rounds_done"] == 1 and not np.asarray(state["a"]).any()
+    training.run(
+        ALG,
+        PARAMS,
+        DATA,
+        key=jax.random.PRNGKey(0),
+        num_rounds=2,
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
+    assert sorted(os.listdir(tmp_path)) == [training.CHECKPOINT_NAME]
+
+
+def test_real_karula_reports_unconverged_projection_and_fedavg_is_not_fedsgd(tmp_path):
+    from karula_jax.algorithms import fedavg, fedsgd, karula
+    from karula_jax.data import synthetic_ridge
+    from karula_jax.models import ridge_loss
+
+    prob = synthetic_ridge(1, num_clients=5, dim=2, min_samples=4, max_samples=6, num_test=2)
+    d = np.asarray(jnp.sum((prob.theta_true[:, None] - prob.theta_true[None]) ** 2, -1))
+    loss = ridge_loss(1e-3)
+    params, key = jnp.zeros(2), jax.random.PRNGKey(0)
+    kw = dict(num_rounds=2, chunk_size=2, progress=False)
+    capped = karula(
+        loss, d, t=0.1, learning_rate=0.5, clients_per_round=2, batch_size=4, projection_max_iter=1
+    )
+    with pytest.warns(training.ProjectionNotConvergedWarning, match=r"2 of 2 rounds") as rec:
+        res = training.run(capped, params, prob.train, key=key, **kw)
+    assert rec[0].filename == __file__  # points at the caller of run
+    assert not res.info.proj_converged.any()
+    assert res.diagnostics["unconverged_rounds"] == [0, 1]
+    assert res.diagnostics["worst_proj_delta"] == pytest.approx(float(res.info.proj_delta.max()))
+    assert res.diagnostics["worst_proj_delta"] > 0
+
+    # Baselines have no projection: always "converged". Same state structure, other program.
+    base = dict(learning_rate=0.1, clients_per_round=2, batch_size=4)
+    sgd = training.run(
+        fedsgd(loss, **base), params, prob.train, key=key, checkpoint_dir=tmp_path, **kw
+    )
+    assert sgd.info.proj_converged.all()
+    with pytest.raises(ValueError, match="What differs: algorithm or hyperparameters"):
+        training.run(
+            fedavg(loss, **base),
+            params,
+            prob.train,
+            key=key,
+            checkpoint_dir=tmp_path,
+            resume=True,
+            **kw,
+        )

@@ -349,5 +349,6 @@ def round_info(values, a_s, mask, finite):
         proj_delta=jnp.zeros((), jnp.float32),
         proj_violation=jnp.zeros((), jnp.float32),
         proj_iterations=jnp.zeros((), jnp.int32),
+        proj_converged=jnp.ones((), bool),
         finite=finite,
     )

@@ -63,6 +63,10 @@ class RoundInfo(NamedTuple):
       proj_delta: certified suboptimality of the projection (0 when there is none).
       proj_violation: max constraint violation after the projection (0 when none).
       proj_iterations: projection solver iterations (0 when none).
+      proj_converged: whether the projection met its tolerance within its iteration cap
+        (True when there is none). An unconverged projection is still exactly feasible
+        but only ``proj_delta``-optimal; :func:`karula_jax.training.run` reports such
+        rounds.
       finite: False if any loss, gradient or parameter became NaN/inf this round.
     """
 
@@ -71,6 +75,7 @@ class RoundInfo(NamedTuple):
     proj_delta: jnp.ndarray  # [] float32
     proj_violation: jnp.ndarray  # [] float32
     proj_iterations: jnp.ndarray  # [] int32
+    proj_converged: jnp.ndarray  # [] bool
     finite: jnp.ndarray  # [] bool
 
 

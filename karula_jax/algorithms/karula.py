@@ -131,7 +131,8 @@ def karula(
       An :class:`Algorithm`. ``init(params, data, *, key)`` starts every client from
       ``params`` and fills the memory with one minibatch gradient per client.
       ``round`` reports in :class:`RoundInfo` the projection's certified gap
-      (``proj_delta``), its max constraint violation and iterations; ``finite`` is
+      (``proj_delta``), its max constraint violation, iterations and whether it met
+      ``projection_tol`` within ``projection_max_iter`` (``proj_converged``); ``finite`` is
       False as soon as a loss, gradient or parameter is NaN/inf (the run is not
       stopped: the driver must check it).
 
@@ -206,6 +207,7 @@ def karula(
             proj_delta=jnp.asarray(pinfo.delta, jnp.float32),
             proj_violation=jnp.asarray(pinfo.max_violation, jnp.float32),
             proj_iterations=jnp.asarray(pinfo.iterations, jnp.int32),
+            proj_converged=jnp.asarray(pinfo.converged, bool),
             finite=C.all_finite(values, G, theta),
         )
         new_state = FedState(
