@@ -34,6 +34,15 @@ import numpy as np
 from ott.geometry import costs, pointcloud
 from ott.solvers import linear
 
+from karula_jax._checks import (
+    check_finite,
+    check_key,
+    check_nonnegative,
+    check_positive,
+    check_positive_int,
+    concrete,
+    is_concrete,
+)
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -99,15 +108,6 @@ class EmbeddingInfo(NamedTuple):
     epsilon: float
 
 
-def _is_concrete(*arrays) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
-def _check_finite(name: str, a) -> None:
-    if _is_concrete(a) and not bool(np.all(np.isfinite(np.asarray(a)))):
-        raise ValueError(f"{name} contains NaN or infinite values")
-
-
 def joint_samples(
     clients: ClientData, *, num_classes: int | None = None, label_scale: float = 1.0
 ) -> jnp.ndarray:
@@ -125,17 +125,22 @@ def joint_samples(
     """
     if not isinstance(clients, ClientData):
         raise TypeError(f"clients must be a ClientData, got {type(clients).__name__}")
+    check_nonnegative("label_scale", label_scale)
+    if clients.counts.ndim != 1:
+        raise ValueError(
+            f"clients must be one data set (counts of shape [n]), got counts of shape "
+            f"{clients.counts.shape}; vmap over stacked data sets"
+        )
     n, n_max = clients.x.shape[:2]
     x = jnp.reshape(clients.x, (n, n_max, -1)).astype(jnp.float32)
     if num_classes is not None:
-        if int(num_classes) < 1:
-            raise ValueError(f"num_classes must be a positive integer, got {num_classes}")
+        num_classes = check_positive_int("num_classes", num_classes)
         if clients.y.ndim != 2:
             raise ValueError(
                 f"with num_classes, y must hold one integer label per sample ([n, N_max]), "
                 f"got shape {clients.y.shape}"
             )
-        if _is_concrete(clients.y, clients.counts):
+        if is_concrete(clients.y, clients.counts):
             y_np = np.asarray(clients.y)
             real = y_np[np.asarray(clients.mask)]
             if real.size and (
@@ -189,17 +194,25 @@ def gaussian_reference(
 
     Returns:
       Reference set of shape ``[N0, dz]``, float32.
+
+    Raises:
+      ValueError: ``samples`` not ``[n, N_max, dz]`` or not finite, ``counts`` not ``[n]``
+        or outside ``[1, N_max]`` (an empty client has no mean), bad ``num_reference``.
+      TypeError: ``key`` is not one PRNG key, or non-integer ``counts``/``num_reference``.
     """
     if isinstance(samples, ClientData):
         counts = samples.counts
         samples = joint_samples(samples, num_classes=num_classes, label_scale=label_scale)
     if counts is None:
         raise ValueError("counts is required when samples is an array")
-    num_reference = _check_num_reference(num_reference)
+    num_reference = check_positive_int("num_reference", num_reference)
+    check_key("key", key)
     samples = jnp.asarray(samples, jnp.float32)
     if samples.ndim != 3:
         raise ValueError(f"samples must have shape [n, N_max, dz], got {samples.shape}")
-    return _gaussian_reference(samples, jnp.asarray(counts), key, num_reference)
+    counts = _check_counts(counts, samples.shape[0], samples.shape[1])
+    check_finite("samples", samples)
+    return _gaussian_reference(samples, counts, key, num_reference)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
@@ -274,21 +287,24 @@ def _embed_batched(
     return jax.lax.map(solve, (joint, weights), batch_size=batch_size)
 
 
-def _check_num_reference(num_reference) -> int:
-    if not isinstance(num_reference, (int, np.integer)) or isinstance(num_reference, bool):
-        raise TypeError(f"num_reference must be an int, got {type(num_reference).__name__}")
-    if num_reference < 1:
-        raise ValueError(f"num_reference must be >= 1, got {num_reference}")
-    return int(num_reference)
+def _check_counts(counts, n: int, n_max: int) -> jnp.ndarray:
+    """``counts`` of shape ``[n]``, integer, each in ``[1, n_max]`` when concrete."""
+    counts = jnp.asarray(counts)
+    if counts.shape != (n,):
+        raise ValueError(f"counts must have shape [{n}], got {counts.shape}")
+    if not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise TypeError(f"counts must hold integers, got dtype {counts.dtype}")
+    c = concrete(counts)
+    if c is not None and (c.min() < 1 or c.max() > n_max):
+        raise ValueError(f"counts must lie in [1, {n_max}], got {c.tolist()}")
+    return counts
 
 
 def _check_solver_args(epsilon, threshold, max_iterations, inner_iterations) -> None:
-    if _is_concrete(epsilon) and not float(epsilon) > 0:
-        raise ValueError(f"epsilon must be > 0, got {epsilon}")
-    if _is_concrete(threshold) and not float(threshold) > 0:
-        raise ValueError(f"threshold must be > 0, got {threshold}")
-    if int(inner_iterations) < 1:
-        raise ValueError(f"inner_iterations must be >= 1, got {inner_iterations}")
+    check_positive("epsilon", epsilon)
+    check_positive("threshold", threshold)
+    check_positive_int("inner_iterations", inner_iterations)
+    check_positive_int("max_iterations", max_iterations)
     if int(max_iterations) < int(inner_iterations):
         raise ValueError(
             f"max_iterations must be >= inner_iterations ({inner_iterations}), got {max_iterations}"
@@ -330,8 +346,8 @@ def embed(
       :class:`EmbedOutput` with maps ``[n, N0, dz]`` and per-client diagnostics.
     """
     _check_solver_args(epsilon, threshold, max_iterations, inner_iterations)
-    if batch_size is not None and int(batch_size) < 1:
-        raise ValueError(f"batch_size must be None or >= 1, got {batch_size}")
+    if batch_size is not None:
+        batch_size = check_positive_int("batch_size", batch_size)
     joint = jnp.asarray(joint, jnp.float32)
     reference = jnp.asarray(reference, jnp.float32)
     counts = jnp.asarray(counts)
@@ -342,14 +358,9 @@ def embed(
             f"reference must have shape [N0, {joint.shape[2]}] (dz of the joint samples), "
             f"got {reference.shape}"
         )
-    if counts.shape != joint.shape[:1]:
-        raise ValueError(f"counts must have shape [{joint.shape[0]}], got {counts.shape}")
-    _check_finite("reference", reference)
-    _check_finite("joint samples", joint)
-    if _is_concrete(counts):
-        c = np.asarray(counts)
-        if c.min() < 1 or c.max() > joint.shape[1]:
-            raise ValueError(f"counts must lie in [1, {joint.shape[1]}], got {c.tolist()}")
+    counts = _check_counts(counts, joint.shape[0], joint.shape[1])
+    check_finite("reference", reference)
+    check_finite("joint", joint)
     mask = jnp.arange(joint.shape[1])[None, :] < counts[:, None]
     weights = jnp.where(mask, 1.0 / counts[:, None].astype(jnp.float32), 0.0)
     return _embed_batched(
@@ -396,6 +407,7 @@ def pairwise_from_embeddings(maps: jnp.ndarray, *, norm: str = "row") -> jnp.nda
     maps = jnp.asarray(maps, jnp.float32)
     if maps.ndim != 3:
         raise ValueError(f"maps must have shape [n, N0, dz], got {maps.shape}")
+    check_finite("maps", maps)
     return _pairwise(maps, norm)
 
 
@@ -441,11 +453,11 @@ def dissimilarities(
     if norm not in _NORMS:
         raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
     _check_solver_args(epsilon, threshold, max_iterations, 10)
-    _check_finite("clients.x", clients.x)
-    _check_finite("clients.y", clients.y)
+    check_finite("clients.x", clients.x)
+    check_finite("clients.y", clients.y)
     joint = joint_samples(clients, num_classes=num_classes, label_scale=label_scale)
     if reference is None:
-        _check_num_reference(num_reference)
+        check_positive_int("num_reference", num_reference)
         if key is None:
             raise ValueError("key is required to draw the reference set (or pass reference=)")
         reference = gaussian_reference(joint, clients.counts, num_reference=num_reference, key=key)
@@ -473,6 +485,6 @@ def dissimilarities(
         marginal_error=out.marginal_error,
         reference=reference,
         embeddings=out.maps - reference[None],
-        epsilon=float(epsilon) if _is_concrete(epsilon) else epsilon,
+        epsilon=float(epsilon) if is_concrete(epsilon) else epsilon,
     )
     return d, info

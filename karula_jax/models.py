@@ -27,7 +27,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from karula_jax._checks import (
+    check_floating_dtype,
+    check_nonnegative,
+    check_positive_int,
+    is_concrete,
+)
 
 __all__ = [
     "MLP",
@@ -60,12 +66,6 @@ class MLP(nn.Module):
         return nn.Dense(self.num_classes, name="output")(h)
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def mlp(hidden: int = 100, num_classes: int = 10) -> MLP:
     """The paper's FEMNIST network: 784-100-10 with ReLU (input size set at init).
 
@@ -77,7 +77,7 @@ def mlp(hidden: int = 100, num_classes: int = 10) -> MLP:
       An :class:`MLP` module; its ``apply(params, x)`` maps ``x [B, d]`` to logits
       ``[B, num_classes]``.
     """
-    return MLP(_positive_int("hidden", hidden), _positive_int("num_classes", num_classes))
+    return MLP(check_positive_int("hidden", hidden), check_positive_int("num_classes", num_classes))
 
 
 def init_params(model: nn.Module, key: jax.Array, input_shape) -> dict:
@@ -95,7 +95,7 @@ def init_params(model: nn.Module, key: jax.Array, input_shape) -> dict:
         raise TypeError(f"model must be a flax.linen.Module, got {type(model).__name__}")
     try:
         shape = tuple(int(s) for s in input_shape)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise TypeError(f"input_shape must be a sequence of ints, got {input_shape!r}") from e
     if any(s < 1 for s in shape):
         raise ValueError(f"input_shape must have positive sizes, got {shape}")
@@ -203,14 +203,10 @@ def output_layer_mask(params, layer: str | None = None):
     return jax.tree_util.tree_map_with_path(mark, params)
 
 
-def _check_lam(lam) -> float:
-    try:
-        lam = float(lam)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"lam must be a number, got {lam!r}") from e
-    if not np.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be finite and >= 0, got {lam}")
-    return lam
+def _check_lam(lam):
+    """``lam`` as a float when concrete (it may be traced, e.g. vmapped over a grid)."""
+    check_nonnegative("lam", lam)
+    return float(lam) if is_concrete(lam) else lam
 
 
 def ridge_loss(lam: float) -> Callable:
@@ -233,8 +229,9 @@ def ridge_loss(lam: float) -> Callable:
 
 
 def linear_params(dim: int, dtype=jnp.float32) -> dict:
-    """Zero logistic-regression parameters ``{"w": [dim], "b": []}``."""
-    dim = _positive_int("dim", dim)
+    """Zero logistic-regression parameters ``{"w": [dim], "b": []}`` (floating ``dtype``)."""
+    dim = check_positive_int("dim", dim)
+    dtype = check_floating_dtype("dtype", dtype)
     return {"w": jnp.zeros((dim,), dtype), "b": jnp.zeros((), dtype)}
 
 

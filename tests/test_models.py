@@ -226,7 +226,7 @@ def test_logistic_loss_and_accuracy_closed_forms():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="hidden"):
         models.mlp(hidden=0)
-    with pytest.raises(ValueError, match="num_classes"):
+    with pytest.raises(TypeError, match="num_classes"):
         models.mlp(num_classes=2.5)
     with pytest.raises(TypeError, match="apply_fn"):
         models.cross_entropy_loss(None)

@@ -1,0 +1,173 @@
+"""Argument validators shared by the whole library (private).
+
+Every public function checks its arguments with these and raises a ``ValueError`` or
+``TypeError`` whose message names the argument and says what was expected. Values that
+are traced (inside ``jit``/``vmap``/``grad``) cannot be inspected: the checks of values
+are skipped for them, the checks of shapes and dtypes are not.
+
+This module imports nothing from ``karula_jax`` so that every subpackage can use it.
+The names below are stable:
+
+* :func:`concrete`, :func:`is_concrete`: is a value known at trace time.
+* :func:`check_nonnegative`, :func:`check_positive`: real scalars (may be traced).
+* :func:`check_positive_int`: static sizes (Python or numpy ints, never traced).
+* :func:`check_finite`: no NaN/inf in a concrete array.
+* :func:`check_real_array`: numeric, not complex (and optionally floating).
+* :func:`check_floating_dtype`: a dtype argument that must be floating.
+* :func:`check_key`: one PRNG key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "check_finite",
+    "check_floating_dtype",
+    "check_key",
+    "check_nonnegative",
+    "check_positive",
+    "check_positive_int",
+    "check_real_array",
+    "concrete",
+    "is_concrete",
+]
+
+
+def concrete(x) -> np.ndarray | None:
+    """``x`` as a numpy array when it is a concrete value, ``None`` when it is traced."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def is_concrete(*xs) -> bool:
+    """True iff none of ``xs`` is a tracer."""
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _real_scalar(name: str, value) -> float | None:
+    """``value`` as a float, ``None`` when traced; TypeError unless a real scalar."""
+    v = concrete(value)
+    if v is None:
+        return None
+    if v.dtype == bool or not np.issubdtype(v.dtype, np.number):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    if np.issubdtype(v.dtype, np.complexfloating):
+        raise TypeError(f"{name} must be a real number, got complex {value!r}")
+    if v.ndim != 0:
+        raise TypeError(f"{name} must be a scalar, got an array of shape {v.shape}")
+    return float(v)
+
+
+def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
+    """Checks that a real scalar is ``>= 0`` and not NaN (skipped when traced).
+
+    Args:
+      name: the argument's name, used in the message.
+      value: a Python/numpy/JAX scalar, possibly traced.
+      allow_inf: accept ``+inf``.
+
+    Raises:
+      TypeError: ``value`` is not a real scalar (a string, an array, complex...).
+      ValueError: ``value`` is NaN, negative, or infinite when not allowed.
+    """
+    v = _real_scalar(name, value)
+    if v is None:
+        return
+    if np.isnan(v) or v < 0 or (np.isinf(v) and not allow_inf):
+        expected = ">= 0 (may be inf)" if allow_inf else "finite and >= 0"
+        raise ValueError(f"{name} must be {expected}, got {v}")
+
+
+def check_positive(name: str, value) -> None:
+    """Checks that a real scalar is finite and ``> 0`` (skipped when traced).
+
+    Raises:
+      TypeError: not a real scalar.
+      ValueError: NaN, infinite or ``<= 0``.
+    """
+    v = _real_scalar(name, value)
+    if v is None:
+        return
+    if not (np.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+
+
+def check_positive_int(name: str, value) -> int:
+    """A static size ``>= 1`` as a Python int.
+
+    Raises:
+      TypeError: ``value`` is not a Python or numpy int (bools and floats included).
+      ValueError: ``value < 1``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        got = f"{type(value).__name__} {value!r}"
+        raise TypeError(f"{name} must be a positive Python int, got {got}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_finite(name: str, array) -> None:
+    """ValueError when a concrete numeric ``array`` holds NaN or inf (skipped when traced)."""
+    a = concrete(array)
+    if a is None or not np.issubdtype(a.dtype, np.number):
+        return
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def check_real_array(name: str, array, *, floating: bool = False) -> None:
+    """TypeError unless ``array`` (anything with a ``dtype``) is real numeric.
+
+    Args:
+      name: the argument's name.
+      array: an array, tracer or ``jax.ShapeDtypeStruct``.
+      floating: require a floating dtype (bool and integers rejected).
+    """
+    dtype = array.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"{name} must be real, got complex dtype {dtype}")
+    if floating and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {dtype}")
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+        raise TypeError(f"{name} must be numeric, got dtype {dtype}")
+
+
+def check_floating_dtype(name: str, dtype) -> np.dtype:
+    """``dtype`` as a numpy dtype; TypeError unless it is a real floating dtype."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from e
+    if not np.issubdtype(dt, np.floating):
+        raise TypeError(f"{name} must be a floating dtype (e.g. float32), got {dt}")
+    return dt
+
+
+def check_key(name: str, key) -> None:
+    """Checks that ``key`` is ONE PRNG key: a typed key scalar or a raw ``uint32[2]``.
+
+    Raises:
+      TypeError: ``key`` is None, not an array, or of another dtype.
+      ValueError: a key array of the wrong shape (e.g. several stacked keys).
+    """
+    dtype = getattr(key, "dtype", None)
+    if dtype is None:
+        raise TypeError(
+            f"{name} must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}"
+        )
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if jnp.ndim(key) != 0:
+            raise ValueError(f"{name} must be one PRNG key, got an array of keys {key.shape}")
+        return
+    if dtype != jnp.uint32:
+        raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)), got dtype {dtype}")
+    if jnp.shape(key) != (2,):
+        raise ValueError(f"{name} must be one raw PRNG key of shape (2,), got {jnp.shape(key)}")
