@@ -10,25 +10,64 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from karula_jax._checks import (
+    check_finite,
+    check_floating_dtype,
+    check_positive_int,
+    check_real_array,
+    concrete,
+)
 
 __all__ = ["ClientData", "client_weights", "from_client_arrays"]
 
 
-class ClientData(NamedTuple):
-    """Data of ``n`` clients padded to a common size.
-
-    Attributes:
-      x: features, array of shape ``[n, N_max, *feature_shape]``; padded rows are 0.
-      y: targets, array of shape ``[n, N_max, *target_shape]`` (integer labels for
-        classification, floats for regression); padded rows are 0.
-      counts: number of real samples per client, int32 array of shape ``[n]``.
-    """
-
+class _Fields(NamedTuple):
     x: jnp.ndarray  # [n, N_max, ...] float32
     y: jnp.ndarray  # [n, N_max, ...] float32 or int32
     counts: jnp.ndarray  # [n] int32
+
+
+class ClientData(_Fields):
+    """Data of ``n`` clients padded to a common size.
+
+    Attributes:
+      x: features, array of shape ``[n, N_max, *feature_shape]``, floating; padded rows
+        are 0.
+      y: targets, array of shape ``[n, N_max, *target_shape]`` (integer labels for
+        classification, floats for regression); padded rows are 0.
+      counts: number of real samples per client, integer array of shape ``[n]``, each in
+        ``[0, N_max]``.
+
+    Stacks of data sets (``x [S, n, N_max, ...]``, ``counts [S, n]``) are allowed: the
+    axes of ``counts`` lead ``x`` and ``y``, and the next axis is the padded one.
+
+    Construction validates: when the three fields are arrays (or tracers, or
+    ``jax.ShapeDtypeStruct``) their shapes must agree, ``x`` must be floating, ``y`` real
+    and ``counts`` integer; when ``counts`` is concrete its values must lie in
+    ``[0, N_max]``. Fields that are not arrays (``None``, vmap axes, partition specs) are
+    not checked. JAX transformations rebuild the tuple without validating (it is
+    registered as a pytree node), and values are never scanned for NaN here (the
+    consumers do that: :func:`from_client_arrays`, the embedding, ``RoundInfo.finite``).
+
+    Raises:
+      TypeError: a non-floating ``x``, complex ``y``, non-integer ``counts``, or a mix of
+        arrays and non-arrays.
+      ValueError: shapes that do not match, or counts outside ``[0, N_max]``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, x, y, counts):
+        _validate(x, y, counts)
+        return super().__new__(cls, x, y, counts)
+
+    @classmethod
+    def _make(cls, iterable):  # used by ``_replace``: validate there too
+        return cls(*iterable)
 
     @property
     def num_clients(self) -> int:
@@ -44,14 +83,97 @@ class ClientData(NamedTuple):
         return jnp.arange(self.max_count)[None, :] < self.counts[:, None]
 
     def subset(self, clients) -> ClientData:
-        """The data of the clients with the given indices (same padding)."""
+        """The data of the clients with the given indices (same padding).
+
+        Args:
+          clients: a 1-D sequence of client indices in ``[0, n)`` (repeats allowed,
+            negative indices are not), or a boolean mask of shape ``[n]``.
+
+        Raises:
+          TypeError: indices that are not integers (or a boolean mask).
+          ValueError: an index outside ``[0, n)``, a mask of the wrong shape, or no client.
+        """
+        n = self.num_clients
         idx = np.asarray(clients)
+        if idx.dtype == bool:
+            if idx.shape != (n,):
+                raise ValueError(
+                    f"clients as a boolean mask must have shape ({n},), got {idx.shape}"
+                )
+            idx = np.flatnonzero(idx)
+        elif idx.size and not np.issubdtype(idx.dtype, np.integer):
+            raise TypeError(f"clients must hold integer client indices, got dtype {idx.dtype}")
+        if idx.ndim != 1:
+            raise ValueError(f"clients must be a 1-D sequence of indices, got shape {idx.shape}")
+        if idx.size == 0:
+            raise ValueError("clients must select at least one client, got none")
+        if idx.min() < 0 or idx.max() >= n:
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise ValueError(f"clients must be indices in [0, {n}), got {bad}")
         return ClientData(self.x[idx], self.y[idx], self.counts[idx])
 
 
-def _check_finite(name: str, i: int, a: np.ndarray) -> None:
-    if np.issubdtype(a.dtype, np.number) and not np.all(np.isfinite(a)):
-        raise ValueError(f"{name}[{i}] contains NaN or infinite values")
+def _is_array(a) -> bool:
+    return isinstance(a, np.ndarray | jax.Array)
+
+
+def _has_shape(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype")
+
+
+def _validate(x, y, counts) -> None:
+    fields = {"x": x, "y": y, "counts": counts}
+    if not all(_has_shape(a) for a in fields.values()):
+        if any(_is_array(a) for a in fields.values()):
+            name = next(k for k, a in fields.items() if not _has_shape(a))
+            raise TypeError(
+                f"ClientData: {name} must be an array (x, y and counts are arrays together), "
+                f"got {type(fields[name]).__name__}"
+            )
+        return  # a pytree of placeholders (vmap axes, specs...): nothing to check
+    if any(a.dtype == jax.dtypes.float0 for a in fields.values()):
+        return  # tangents of integer fields
+    if not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise TypeError(f"ClientData: counts must hold integers, got dtype {counts.dtype}")
+    if len(counts.shape) < 1:
+        raise ValueError(f"ClientData: counts must have shape [n], got shape {counts.shape}")
+    lead = tuple(counts.shape)
+    b = len(lead)
+    for name, a in (("x", x), ("y", y)):
+        if len(a.shape) < b + 1 or tuple(a.shape[:b]) != lead:
+            want = ", ".join(str(s) for s in lead)
+            raise ValueError(
+                f"ClientData: {name} must have shape [{want}, N_max, ...] (leading axes "
+                f"of counts, then the padded axis), got {tuple(a.shape)}"
+            )
+    if x.shape[b] != y.shape[b]:
+        raise ValueError(
+            f"ClientData: x and y must share the padded axis N_max, got x {tuple(x.shape)} "
+            f"and y {tuple(y.shape)}"
+        )
+    check_real_array("ClientData: x", x, floating=True)
+    check_real_array("ClientData: y", y)
+    c = concrete(counts) if _is_array(counts) else None
+    if c is not None and c.size and (c.min() < 0 or c.max() > x.shape[b]):
+        raise ValueError(
+            f"ClientData: counts must lie in [0, N_max={x.shape[b]}], got values from "
+            f"{c.min()} to {c.max()}"
+        )
+
+
+def _flatten_with_keys(d):
+    return tuple((jax.tree_util.GetAttrKey(k), v) for k, v in zip(d._fields, d, strict=True)), None
+
+
+def _unflatten(_, children):
+    # Transformations rebuild ClientData with tracers, None or other placeholders:
+    # bypass the validating constructor.
+    return tuple.__new__(ClientData, children)
+
+
+jax.tree_util.register_pytree_with_keys(
+    ClientData, _flatten_with_keys, _unflatten, flatten_func=lambda d: (tuple(d), None)
+)
 
 
 def from_client_arrays(
@@ -72,16 +194,29 @@ def from_client_arrays(
         ``[0, num_classes)`` and are stored as int32.
       max_count: pad to this many rows instead of ``max_i N_i`` (useful to keep shapes
         static across data sets); must be at least ``max_i N_i``.
-      dtype: floating dtype for features (and regression targets).
+      dtype: floating dtype for features (and regression targets); values are checked
+        to be finite after the cast to it (as JAX stores it: float64 is float32 unless
+        x64 is enabled).
 
     Returns:
       The padded :class:`ClientData`.
 
     Raises:
       ValueError: on empty input, mismatched lengths or shapes, empty clients,
-        NaN/infinite values, or labels that are not integers in range.
-      TypeError: when an element is not array-like.
+        NaN/infinite values (also values that overflow ``dtype``), labels that are not
+        integers in range, or a bad ``num_classes``/``max_count``.
+      TypeError: when an element is not array-like, is complex or not numeric, or when
+        ``dtype`` is not a floating dtype.
     """
+    # What JAX will store (float64 becomes float32 unless x64 is enabled).
+    dt = np.dtype(jax.dtypes.canonicalize_dtype(check_floating_dtype("dtype", dtype)))
+    if num_classes is not None:
+        num_classes = check_positive_int("num_classes", num_classes)
+    if max_count is not None:
+        max_count = check_positive_int("max_count", max_count)
+    for name, seq in (("xs", xs), ("ys", ys)):
+        if isinstance(seq, str | bytes) or not hasattr(seq, "__len__"):
+            raise TypeError(f"{name} must be a sequence of per-client arrays, got {seq!r}")
     if len(xs) == 0:
         raise ValueError("xs must hold at least one client, got an empty sequence")
     if len(xs) != len(ys):
@@ -99,10 +234,11 @@ def from_client_arrays(
             raise ValueError(
                 f"client {i}: xs[{i}] has {x.shape[0]} rows but ys[{i}] has shape {y.shape}"
             )
-        if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
-            raise TypeError(f"xs[{i}] must be numeric, got dtype {x.dtype}")
-        _check_finite("xs", i, x)
-        _check_finite("ys", i, y)
+        check_real_array(f"xs[{i}]", x)
+        check_real_array(f"ys[{i}]", y)
+        check_finite(f"xs[{i}]", x)
+        check_finite(f"ys[{i}]", y)
+        x = _cast(f"xs[{i}]", x, dt)
         if x.ndim == 1:
             x = x[:, None]
         if xs_np and x.shape[1:] != xs_np[0].shape[1:]:
@@ -126,6 +262,9 @@ def from_client_arrays(
                     f"ys[{i}] labels must lie in [0, {num_classes}), found range "
                     f"[{y.min()}, {y.max()}]"
                 )
+            y = y.astype(np.int32)
+        else:
+            y = _cast(f"ys[{i}]", y, dt)
         xs_np.append(x)
         ys_np.append(y)
 
@@ -134,24 +273,47 @@ def from_client_arrays(
     if max_count is not None:
         if max_count < n_max:
             raise ValueError(f"max_count={max_count} is smaller than the largest client ({n_max})")
-        n_max = int(max_count)
-    y_dtype = np.int32 if num_classes is not None else np.dtype(dtype)
-    x_pad = np.zeros((len(xs_np), n_max, *xs_np[0].shape[1:]), dtype=np.dtype(dtype))
-    y_pad = np.zeros((len(ys_np), n_max, *ys_np[0].shape[1:]), dtype=y_dtype)
+        n_max = max_count
+    x_pad = np.zeros((len(xs_np), n_max, *xs_np[0].shape[1:]), dtype=dt)
+    y_pad = np.zeros((len(ys_np), n_max, *ys_np[0].shape[1:]), dtype=ys_np[0].dtype)
     for i, (x, y) in enumerate(zip(xs_np, ys_np, strict=True)):
         x_pad[i, : x.shape[0]] = x
         y_pad[i, : y.shape[0]] = y
     return ClientData(jnp.asarray(x_pad), jnp.asarray(y_pad), jnp.asarray(counts))
 
 
+def _cast(name: str, a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``a`` in ``dtype``; ValueError when finite values overflow it (e.g. 1e39 in float32)."""
+    with np.errstate(over="ignore"):
+        out = a.astype(dtype)
+    if not np.all(np.isfinite(out)):
+        raise ValueError(
+            f"{name} has values too large for {dtype} (largest magnitude "
+            f"{np.max(np.abs(a.astype(np.float64)))}); rescale the data"
+        )
+    return out
+
+
 def client_weights(counts) -> jnp.ndarray:
     """Client weights ``alpha_i`` proportional to ``N_i``, normalized so mean(alpha) = 1.
 
     Args:
-      counts: array of shape ``[n]`` with positive sample counts.
+      counts: array of shape ``[n]`` of sample counts ``>= 0``, not all zero (a client
+        with no sample gets weight 0).
 
     Returns:
       Float32 array of shape ``[n]``.
+
+    Raises:
+      ValueError: (concrete counts) not of shape ``[n]``, negative, non-finite or all 0.
     """
+    c = concrete(counts)
+    if c is not None:
+        if c.ndim != 1 or c.size == 0:
+            raise ValueError(f"counts must have shape [n] with n >= 1, got shape {c.shape}")
+        check_real_array("counts", c)
+        check_finite("counts", c)
+        if np.any(c < 0) or not np.any(c > 0):
+            raise ValueError(f"counts must be >= 0 and not all zero, got {c.tolist()}")
     counts = jnp.asarray(counts, dtype=jnp.float32)
     return counts * counts.shape[0] / jnp.sum(counts)

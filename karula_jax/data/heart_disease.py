@@ -91,14 +91,19 @@ def read_heart_disease_file(path: str | os.PathLike) -> tuple[np.ndarray, np.nda
       labels in ``{0, 1}``.
 
     Raises:
-      ValueError: naming the file, line and column on a wrong number of columns, a
-        non-numeric entry, a diagnosis outside 0-4 or a discrete column off its levels.
+      ValueError: naming the file (and line and column where there is one) on a file
+        that is not ASCII text, a wrong number of columns, a non-numeric entry, a
+        diagnosis outside 0-4 or a discrete column off its levels.
     """
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"data_dir: heart disease file {path} not found")
+    try:
+        text = path.read_text(encoding="ascii")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not an ASCII text file, so not a UCI table ({e})") from e
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="ascii").splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.strip().split(",")
@@ -219,6 +224,8 @@ def load_heart_disease(
         raise TypeError(f"test_fraction must be a number, got {test_fraction!r}") from e
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int, got {seed!r}")
     rng = np.random.default_rng(seed)
 
     parts = []

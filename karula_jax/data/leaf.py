@@ -91,6 +91,8 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text, so not LEAF JSON ({e})") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(raw, dict):
@@ -131,7 +133,11 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
         # Integral floats (3.0) are tolerated; bools, strings and 2.5 are not.
         if not all(type(v) is int or (type(v) is float and v.is_integer()) for v in y):
             raise ValueError(f"{where}['y'] must hold integer labels")
-        out[user] = (x, np.asarray(y, dtype=np.int64).reshape(-1))
+        try:
+            labels = np.asarray(y, dtype=np.int64).reshape(-1)
+        except OverflowError as e:
+            raise ValueError(f"{where}['y'] holds a label too large for int64 ({e})") from e
+        out[user] = (x, labels)
     return out
 
 
@@ -191,10 +197,12 @@ def load_leaf(
         the file and key), a training writer without test data, or fewer eligible
         writers than ``num_clients``.
     """
-    if not isinstance(num_clients, int) or num_clients < 1:
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}")
-    if not isinstance(min_samples, int) or min_samples < 1:
+    if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
         raise ValueError(f"min_samples must be a positive integer, got {min_samples!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        raise TypeError(f"seed must be None or an int, got {seed!r}")
     root = pathlib.Path(data_dir)
     train_dir, test_dir = root / "train", root / "test"
     for d in (train_dir, test_dir):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax._checks import check_nonnegative, check_positive_int
 from karula_jax.data.clients import ClientData, from_client_arrays
 
 __all__ = ["SyntheticRidge", "synthetic_ridge"]
@@ -91,11 +92,12 @@ def synthetic_ridge(
     Returns:
       A :class:`SyntheticRidge`.
     """
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-    if dim < 1:
-        raise ValueError(f"dim must be >= 1, got {dim}")
-    if not 1 <= min_samples <= max_samples:
+    num_clients = check_positive_int("num_clients", num_clients)
+    dim = check_positive_int("dim", dim)
+    min_samples = check_positive_int("min_samples", min_samples)
+    max_samples = check_positive_int("max_samples", max_samples)
+    num_test = check_positive_int("num_test", num_test)
+    if min_samples > max_samples:
         raise ValueError(
             f"need 1 <= min_samples <= max_samples, got {min_samples} and {max_samples}"
         )
@@ -105,21 +107,31 @@ def synthetic_ridge(
         ("feature_mean_std", feature_mean_std),
         ("group_feature_std", group_feature_std),
     ):
-        if not value >= 0:  # also rejects NaN
-            raise ValueError(f"{name} must be non-negative, got {value}")
-    lo, hi = feature_scale_range
-    if not 0 < lo <= hi:
+        check_nonnegative(name, value)
+    try:
+        means_arr = np.asarray(group_means, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"group_means must be a sequence of numbers, got {group_means!r}") from e
+    if means_arr.ndim != 1 or means_arr.size == 0 or not np.all(np.isfinite(means_arr)):
         raise ValueError(
-            f"feature_scale_range must satisfy 0 < lo <= hi, got {feature_scale_range}"
+            f"group_means must be a non-empty sequence of finite numbers, got {group_means!r}"
         )
-    if num_test < 1:
-        raise ValueError(f"num_test must be >= 1, got {num_test}")
+    try:
+        lo, hi = (float(v) for v in feature_scale_range)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"feature_scale_range must be a pair of numbers (lo, hi), got {feature_scale_range!r}"
+        ) from e
+    if not (0 < lo <= hi and np.isfinite(hi)):
+        raise ValueError(
+            f"feature_scale_range must satisfy 0 < lo <= hi < inf, got {feature_scale_range}"
+        )
 
     rng = np.random.default_rng(seed)
     num_groups = len(group_means)
     sizes = rng.integers(min_samples, max_samples + 1, size=num_clients)
     groups = np.arange(num_clients) * num_groups // num_clients
-    means = np.asarray(group_means, dtype=np.float64)[groups]
+    means = means_arr[groups]
     theta = means[:, None] + theta_std * rng.standard_normal((num_clients, dim))
     mu = feature_mean_std * rng.standard_normal((num_clients, dim))
     scale = rng.uniform(lo, hi, size=(num_clients, dim))
