@@ -11,6 +11,10 @@ Conventions used throughout ``karula_jax.algorithms``:
 * Minibatches. ``B`` rows drawn without replacement among a client's own ``N_i`` real
   rows; padding is never drawn. A client with ``N_i < B`` uses all its rows. When
   ``B >= N_max`` every client uses all its rows: the gradient is exact and deterministic.
+* Checks. Factories validate their hyperparameters (``karula_jax._checks``); every
+  ``init`` validates ``params`` against the data with :func:`check_params` (a model that
+  does not fit the data is a ValueError naming ``params`` and both shapes) and its key;
+  every round checks that the state and the data have the same number of clients.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from karula_jax._checks import (
+    check_key,
+    check_nonnegative,
+    check_positive,
+    check_positive_int,
+    concrete,
+)
 from karula_jax.algorithms.base import RoundInfo
 from karula_jax.data.clients import ClientData, client_weights
 
@@ -30,9 +41,12 @@ __all__ = [
     "broadcast",
     "check_clients_per_round",
     "client_keys",
+    "check_mask",
     "check_nonnegative",
+    "check_params",
     "check_positive",
     "check_positive_int",
+    "check_state_matches",
     "check_weights",
     "client_batch",
     "concrete",
@@ -57,46 +71,6 @@ __all__ = [
 # --------------------------------------------------------------------------- checks
 
 
-def concrete(x) -> np.ndarray | None:
-    """``x`` as a numpy array when it is a concrete value, ``None`` when it is traced."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
-    """Raises ValueError unless a concrete scalar ``value`` is >= 0 (skipped when traced)."""
-    v = concrete(value)
-    if v is None:
-        return
-    if v.ndim != 0 or not np.issubdtype(v.dtype, np.number):
-        raise ValueError(f"{name} must be a real scalar, got {value!r}")
-    v = float(v)
-    if np.isnan(v) or v < 0 or (np.isinf(v) and not allow_inf):
-        expected = ">= 0 (may be inf)" if allow_inf else "finite and >= 0"
-        raise ValueError(f"{name} must be {expected}, got {v}")
-
-
-def check_positive(name: str, value) -> None:
-    """Raises ValueError unless a concrete scalar ``value`` is finite and > 0."""
-    check_nonnegative(name, value)
-    v = concrete(value)
-    if v is not None and float(v) == 0:
-        raise ValueError(f"{name} must be > 0, got 0")
-
-
-def check_positive_int(name: str, value) -> int:
-    """A static positive int, else ValueError/TypeError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
 def check_clients_per_round(s: int, n: int) -> None:
     """``1 <= s <= n`` (``n`` is known only once data are seen)."""
     if s > n:
@@ -115,6 +89,85 @@ def check_weights(weights, n: int | None = None) -> None:
         raise ValueError(f"weights must have shape {want}, got {w.shape}")
     if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
         raise ValueError("weights must be finite, >= 0 and not all zero")
+
+
+def _spec(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+
+def _shapes(tree) -> str:
+    return str(jax.tree.map(lambda a: tuple(jnp.shape(a)), tree))
+
+
+def check_params(loss, params, data, *, name: str = "params") -> None:
+    """Checks that ``loss(params, x, y, mask)`` works on one client's data (abstractly).
+
+    Evaluates the loss's shape with :func:`jax.eval_shape` on one client's padded rows,
+    so a model that does not fit the data (a ridge vector of the wrong length, an MLP
+    built for another input size) fails here, naming ``name`` and both shapes, instead
+    of deep inside XLA during the first round. Works on traced data (only shapes are
+    used) and costs one abstract trace of the loss.
+
+    Raises:
+      TypeError: ``data`` is not a ClientData, ``params`` has no leaf or a non-floating
+        leaf, or the loss does not return a real scalar.
+      ValueError: the loss cannot be evaluated on ``params`` and the data's shapes.
+    """
+    if not isinstance(data, ClientData):
+        raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
+    if not callable(loss):
+        raise TypeError(f"loss must be callable (params, x, y, mask) -> scalar, got {loss!r}")
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise TypeError(f"{name} must be a pytree with at least one array leaf, got {params!r}")
+    for leaf in leaves:
+        try:
+            dtype = jnp.result_type(leaf)
+        except TypeError as e:
+            raise TypeError(f"{name} leaves must be arrays, got {type(leaf).__name__}") from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{name} leaves must be floating (they are differentiated), got dtype {dtype} "
+                f"in {name} of shapes {_shapes(params)}"
+            )
+    p_spec = jax.tree.map(_spec, params)
+    x = jax.ShapeDtypeStruct(data.x.shape[1:], data.x.dtype)
+    y = jax.ShapeDtypeStruct(data.y.shape[1:], data.y.dtype)
+    mask = jax.ShapeDtypeStruct(data.x.shape[1:2], jnp.bool_)
+    try:
+        out = jax.eval_shape(loss, p_spec, x, y, mask)
+    except Exception as e:  # noqa: BLE001 - re-raised with both shapes
+        raise ValueError(
+            f"{name} do not fit the data: loss({name}, x, y, mask) fails for {name} of "
+            f"shapes {_shapes(params)} and one client's x of shape {x.shape}, y of shape "
+            f"{y.shape} ({type(e).__name__}: {e})"
+        ) from e
+    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
+        got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
+        raise TypeError(f"loss must return a scalar (mean over the masked rows), got {got}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        raise TypeError(f"loss must return a floating scalar, got dtype {out.dtype}")
+
+
+def check_mask(name: str, mask, params) -> None:
+    """ValueError unless the boolean pytree ``mask`` has the structure of ``params``."""
+    if mask is None:
+        return
+    want, got = jax.tree.structure(params), jax.tree.structure(mask)
+    if want != got:
+        raise ValueError(f"{name} must have the tree structure of params {want}, got {got}")
+
+
+def check_state_matches(state, data: ClientData) -> None:
+    """ValueError when ``state`` was built for another number of clients than ``data``."""
+    if not isinstance(data, ClientData):
+        raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
+    leaves = jax.tree.leaves(state.params)
+    n_state = jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else None
+    if n_state is not None and n_state != data.num_clients:
+        raise ValueError(
+            f"data hold {data.num_clients} clients but state was initialized for {n_state}"
+        )
 
 
 def resolve_weights(weights, data: ClientData) -> jnp.ndarray:
@@ -175,6 +228,7 @@ def init_and_run_keys(key: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     Every algorithm derives ``state.key`` the same way, so one key gives the same
     participants and minibatches in every method (paired comparisons).
     """
+    check_key("key", key)
     key_init, key_run = jax.random.split(key)
     return key_init, key_run
 
@@ -326,6 +380,7 @@ def begin_round(state, data, s: int, weights) -> RoundStart:
     into a participation key and a minibatch key, so one run key gives the same
     participants and minibatches in every method.
     """
+    check_state_matches(state, data)
     n = data.num_clients
     check_clients_per_round(s, n)
     alpha = resolve_weights(weights, data)

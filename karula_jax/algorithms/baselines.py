@@ -77,6 +77,7 @@ def local(
         return s
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
         _s(data)
         return _start(params, data.num_clients, C.run_key(key))
 
@@ -140,6 +141,7 @@ def fedsgd(
     C.check_weights(weights)
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
         n = data.num_clients
         C.check_clients_per_round(s, n)
         if not memory:
@@ -217,6 +219,8 @@ def fedavg(
     C.check_weights(weights)
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
+        C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
         return _start(params, data.num_clients, C.run_key(key))
 

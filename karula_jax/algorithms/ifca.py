@@ -110,11 +110,14 @@ def ifca(
                 )
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
         n = data.num_clients
         C.check_clients_per_round(s, n)
         key_init, key_run = C.init_and_run_keys(key)
         if initial_clusters is not None:
             clusters = jax.tree.map(jnp.asarray, initial_clusters)
+            first = jax.tree.map(lambda c: c[0], clusters)
+            C.check_params(loss, first, data, name="initial_clusters")
         else:
             leaves, treedef = jax.tree.flatten(params)
             keys = jax.random.split(key_init, len(leaves))

@@ -139,7 +139,8 @@ def karula(
     Raises:
       ValueError: ``D`` not square/symmetric, negative or NaN; ``t`` or
         ``learning_rate`` negative or NaN; ``clients_per_round`` or ``batch_size``
-        < 1 (``s > n`` is detected by ``init``/``round``); bad ``weights``.
+        < 1 (``s > n`` is detected by ``init``/``round``); bad ``weights``; at
+        ``init``, ``params`` that do not fit the data (see ``_common.check_params``).
     """
     from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
 
@@ -173,6 +174,7 @@ def karula(
         )
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
         _check_data(data)
         key_init, key_run = C.init_and_run_keys(key)
         theta = C.broadcast(params, n)

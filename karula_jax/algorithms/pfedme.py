@@ -100,6 +100,7 @@ def pfedme(
         return w_i, theta, values[0]
 
     def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
         n = data.num_clients
         C.check_clients_per_round(s, n)
         w = jax.tree.map(jnp.asarray, params)

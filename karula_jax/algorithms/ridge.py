@@ -30,6 +30,10 @@ def lipschitz_ridge(
     full gradients, D = inf) Karula diverged at ``3/(8L)`` and converged at
     ``0.66 * 3/(8L)`` and below; ``RoundInfo.finite`` reports it.
 
+    A client without samples (``N_i = 0``) has ``f_i(theta) = lam/2 ||theta||^2`` (the
+    masked mean of :func:`karula_jax.models.ridge_loss` over no row is 0), so its
+    ``L_i = lam``; with the default weights its ``alpha_i`` is 0.
+
     Args:
       data: clients with ``x`` of shape ``[n, N_max, d]`` (padded rows are ignored).
       lam: ridge penalty ``>= 0``.
@@ -38,7 +42,15 @@ def lipschitz_ridge(
 
     Returns:
       ``L`` as a Python float.
+
+    Raises:
+      TypeError: ``data`` is not a ClientData; ``lam`` not a real number.
+      ValueError: ``lam`` negative or not finite; ``data.x`` not ``[n, N_max, d]``, or
+        holding NaN/inf on real rows; every count 0 (with default weights); bad
+        ``weights``.
     """
+    if not isinstance(data, ClientData):
+        raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
     C.check_nonnegative("lam", lam)
     x = np.asarray(data.x, dtype=np.float64)
     if x.ndim != 3:
@@ -46,7 +58,9 @@ def lipschitz_ridge(
     counts = np.asarray(data.counts)
     mask = np.arange(x.shape[1])[None, :] < counts[:, None]
     x = np.where(mask[..., None], x, 0.0)
-    gram = np.einsum("nki,nkj->nij", x, x) / counts[:, None, None]
+    if not np.all(np.isfinite(x)):
+        raise ValueError("data.x contains NaN or infinite values on real rows")
+    gram = np.einsum("nki,nkj->nij", x, x) / np.maximum(counts, 1)[:, None, None]
     L_i = np.linalg.eigvalsh(gram)[:, -1] + lam
     if weights is None:
         alpha = np.asarray(client_weights(counts), dtype=np.float64)
