@@ -1,0 +1,652 @@
+"""Bad input across the public API: a clear ValueError/TypeError that names the argument.
+
+``CASES`` is one table over every subpackage: ``(id, call, exception type, regex)``. ``call``
+takes pytest's ``tmp_path`` (for files) and makes ONE bad call; the test asserts the type
+and that the message matches the regex, which always names the offending argument.
+``PENDING_CASES`` hold bad input that other work in progress will reject; they join the
+parametrization once they pass. The tests after the table check each class of fix of
+issue 11 on its own (ClientData validation, casts, subsets, empty clients, decoding).
+
+Shapes are tiny and every error is raised before anything is compiled (at most one
+abstract trace of a loss), so the file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from karula_jax import embedding, models, projection, training
+from karula_jax.algorithms import fedavg, fedsgd, ifca, karula, lipschitz_ridge, local, pfedme
+from karula_jax.data import ClientData, client_weights, from_client_arrays, synthetic_ridge
+from karula_jax.data.heart_disease import load_heart_disease, read_heart_disease_file
+from karula_jax.data.leaf import IMAGE_SIZE, load_leaf, read_leaf_file
+
+KEY = jax.random.key(0)
+N, NMAX, DIM = 3, 4, 2
+DATA = from_client_arrays(
+    [np.arange(2 * DIM, dtype=float).reshape(2, DIM), np.ones((4, DIM)), -np.ones((3, DIM))],
+    [np.ones(2), np.zeros(4), np.ones(3)],
+)
+X, Y, COUNTS = DATA
+LOSS = models.ridge_loss(0.1)
+THETA = jnp.zeros(DIM)
+D = jnp.ones((N, N)) - jnp.eye(N)
+HP = {"learning_rate": 0.1, "clients_per_round": 2, "batch_size": 2}
+ALGOS = {
+    "karula": lambda **kw: karula(LOSS, D, **{"t": 1.0, **HP, **kw}),
+    "local": lambda **kw: local(LOSS, learning_rate=0.1, batch_size=2, **kw),
+    "fedsgd": lambda **kw: fedsgd(LOSS, **{**HP, **kw}),
+    "fedavg": lambda **kw: fedavg(LOSS, **{**HP, **kw}),
+    "ifca": lambda **kw: ifca(LOSS, num_clusters=2, **{**HP, **kw}),
+    "pfedme": lambda **kw: pfedme(LOSS, **{**HP, **kw}),
+}
+JOINT = jnp.ones((N, NMAX, DIM + 1))
+REF = jnp.zeros((5, DIM + 1))
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def _leaf_raw(**changes):
+    row = [0.5] * IMAGE_SIZE
+    raw = {
+        "users": ["w"],
+        "num_samples": [2],
+        "user_data": {"w": {"x": [row, list(row)], "y": [1, 2]}},
+    }
+    raw.update(changes)
+    return raw
+
+
+def _leaf_file(tmp_path, content, name="bad_train.json") -> pathlib.Path:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def _leaf_dir(tmp_path, train_writer) -> pathlib.Path:
+    """A LEAF folder with one shard pair whose training writer ``w`` is ``train_writer``."""
+    good = {"x": [[0.5] * IMAGE_SIZE], "y": [1]}
+    for split, writer in (("train", train_writer), ("test", good)):
+        (tmp_path / split).mkdir(parents=True, exist_ok=True)
+        shard = {"users": ["w"], "num_samples": [len(writer["y"])], "user_data": {"w": writer}}
+        (tmp_path / split / f"all_data_0_{split}_9.json").write_text(json.dumps(shard))
+    return tmp_path
+
+
+def _writer_with(value):
+    row = [0.5] * IMAGE_SIZE
+    row[3] = value
+    return {"x": [row], "y": [1]}
+
+
+_HEART_ROW = "63.0,1.0,1.0,145.0,233.0,1.0,2.0,150.0,0.0,2.3,3.0,0.0,6.0,0"
+
+
+def _heart_file(tmp_path, content) -> pathlib.Path:
+    path = tmp_path / "processed.cleveland.data"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def _one_round_state():
+    """A local-training state of the 3-client data (no compilation: init only)."""
+    alg = local(LOSS, learning_rate=0.1, batch_size=2)
+    return alg, alg.init(THETA, DATA, key=KEY)
+
+
+def _mlp_params(input_dim):
+    return models.init_params(models.mlp(hidden=3, num_classes=2), KEY, (1, input_dim))
+
+
+def _garbage_checkpoint(p):
+    path = p / "checkpoint.npz"
+    path.write_bytes(b"not a checkpoint")
+    return training.load_checkpoint(path, {"a": jnp.zeros(2)})
+
+
+def _checkpoint_bad_meta(p):
+    path = p / "checkpoint.npz"
+    np.savez(path, meta=np.array("{not json"))
+    return training.load_checkpoint(path, {"a": jnp.zeros(2)})
+
+
+# --------------------------------------------------------------------------- the table
+
+# (id, call(tmp_path), exception, regex naming the argument)
+CASES = [
+    # ---- data: ClientData built directly
+    ("ClientData counts > N_max", lambda p: ClientData(X, Y, jnp.array([2, 5, 3])), ValueError,
+     r"counts must lie in \[0, N_max=4\]"),
+    ("ClientData negative counts", lambda p: ClientData(X, Y, jnp.array([2, -1, 3])), ValueError,
+     "counts must lie in"),
+    ("ClientData float counts", lambda p: ClientData(X, Y, COUNTS.astype(float)), TypeError,
+     "counts must hold integers"),
+    ("ClientData scalar counts", lambda p: ClientData(X, Y, jnp.int32(2)), ValueError,
+     "counts must have shape"),
+    ("ClientData counts of a list", lambda p: ClientData(X, Y, [2, 4, 3]), TypeError,
+     "counts must be an array"),
+    ("ClientData counts too short", lambda p: ClientData(X, Y, COUNTS[:2]), ValueError,
+     r"x must have shape \[2, N_max"),
+    ("ClientData y of other clients", lambda p: ClientData(X, Y[:2], COUNTS), ValueError,
+     r"y must have shape \[3, N_max"),
+    ("ClientData y of other N_max", lambda p: ClientData(X, Y[:, :3], COUNTS), ValueError,
+     "x and y must share the padded axis"),
+    ("ClientData x without N_max axis", lambda p: ClientData(X[:, 0, 0], Y, COUNTS), ValueError,
+     "x must have shape"),
+    ("ClientData integer x", lambda p: ClientData(X.astype(jnp.int32), Y, COUNTS), TypeError,
+     "x must have a floating dtype"),
+    ("ClientData complex y", lambda p: ClientData(X, Y.astype(jnp.complex64), COUNTS), TypeError,
+     "y must be real"),
+    ("ClientData _replace bad counts", lambda p: DATA._replace(counts=COUNTS + 9), ValueError,
+     "counts must lie in"),
+    ("subset out of range", lambda p: DATA.subset([0, 3]), ValueError,
+     r"clients must be indices in \[0, 3\), got 3"),
+    ("subset negative", lambda p: DATA.subset([-1]), ValueError, "clients must be indices"),
+    ("subset float indices", lambda p: DATA.subset([0.0, 1.0]), TypeError,
+     "clients must hold integer"),
+    ("subset empty", lambda p: DATA.subset([]), ValueError, "clients must select at least one"),
+    ("subset 2-D", lambda p: DATA.subset([[0, 1]]), ValueError, "clients must be a 1-D"),
+    ("subset scalar", lambda p: DATA.subset(1), ValueError, "clients must be a 1-D"),
+    ("subset mask of other length", lambda p: DATA.subset([True, False]), ValueError,
+     r"clients as a boolean mask must have shape \(3,\)"),
+    # ---- data: from_client_arrays
+    ("finite in float64, inf in float32",
+     lambda p: from_client_arrays([np.array([[1e39, 0.0]])], [np.ones(1)]), ValueError,
+     r"xs\[0\] has values too large for float32"),
+    ("targets overflow float32",
+     lambda p: from_client_arrays([np.ones((1, 2))], [np.array([-1e300])]), ValueError,
+     r"ys\[0\] has values too large"),
+    ("complex features", lambda p: from_client_arrays([np.ones((2, 2)) * 1j], [np.ones(2)]),
+     TypeError, r"xs\[0\] must be real"),
+    ("complex targets",
+     lambda p: from_client_arrays([np.ones((2, 2))], [np.ones(2, complex)]), TypeError,
+     r"ys\[0\] must be real"),
+    ("string targets", lambda p: from_client_arrays([np.ones((2, 2))], [np.array(["a", "b"])]),
+     TypeError, r"ys\[0\] must be numeric"),
+    ("object features",
+     lambda p: from_client_arrays([np.array([[None, 1]], dtype=object)], [np.ones(1)]),
+     TypeError, r"xs\[0\] must be numeric"),
+    ("integer dtype", lambda p: from_client_arrays([np.ones((2, 2))], [np.ones(2)],
+                                                   dtype=jnp.int32), TypeError, "dtype"),
+    ("unknown dtype", lambda p: from_client_arrays([np.ones((2, 2))], [np.ones(2)], dtype="xx"),
+     TypeError, "dtype must be a floating dtype"),
+    ("num_classes 0", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
+                                                   num_classes=0), ValueError, "num_classes"),
+    ("num_classes float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
+                                                       num_classes=2.5), TypeError, "num_classes"),
+    ("max_count float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
+                                                     max_count=3.5), TypeError, "max_count"),
+    ("max_count too small", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
+                                                         max_count=1), ValueError, "max_count=1"),
+    ("xs None", lambda p: from_client_arrays(None, []), TypeError, "xs must be a sequence"),
+    ("ragged client rows", lambda p: from_client_arrays([[[1.0, 2.0], [3.0]]], [np.ones(2)]),
+     TypeError, "xs and ys entries must be array-like"),
+    ("target shapes differ",
+     lambda p: from_client_arrays([np.ones((1, 2))] * 2, [np.ones(1), np.ones((1, 2))]),
+     ValueError, "target shapes differ.*ys"),
+    ("client_weights all zero", lambda p: client_weights(np.zeros(3)), ValueError,
+     "counts must be >= 0 and not all zero"),
+    ("client_weights negative", lambda p: client_weights(np.array([2, -1])), ValueError,
+     "counts must be >= 0"),
+    ("client_weights 2-D", lambda p: client_weights(np.ones((2, 2))), ValueError,
+     r"counts must have shape \[n\]"),
+    # ---- data: synthetic generator
+    ("synthetic num_clients float", lambda p: synthetic_ridge(0, num_clients=2.5), TypeError,
+     "num_clients"),
+    ("synthetic dim 0", lambda p: synthetic_ridge(0, dim=0), ValueError, "dim must be >= 1"),
+    ("synthetic min > max", lambda p: synthetic_ridge(0, min_samples=5, max_samples=4),
+     ValueError, "min_samples <= max_samples"),
+    ("synthetic noise inf", lambda p: synthetic_ridge(0, noise_std=float("inf")), ValueError,
+     "noise_std must be finite"),
+    ("synthetic theta_std NaN", lambda p: synthetic_ridge(0, theta_std=float("nan")), ValueError,
+     "theta_std"),
+    ("synthetic no groups", lambda p: synthetic_ridge(0, group_means=()), ValueError,
+     "group_means"),
+    ("synthetic scale range", lambda p: synthetic_ridge(0, feature_scale_range=(0.0, 1.0)),
+     ValueError, "feature_scale_range"),
+    ("synthetic num_test 0", lambda p: synthetic_ridge(0, num_test=0), ValueError, "num_test"),
+    # ---- data: LEAF files
+    ("LEAF non-UTF-8", lambda p: read_leaf_file(_leaf_file(p, b'{"users": ["\xff\xfe"]}')),
+     ValueError, r"bad_train\.json: not UTF-8"),
+    ("LEAF empty file", lambda p: read_leaf_file(_leaf_file(p, "")), ValueError,
+     r"bad_train\.json: not valid JSON"),
+    ("LEAF top-level list", lambda p: read_leaf_file(_leaf_file(p, [1, 2])), ValueError,
+     r"bad_train\.json: top level must be a JSON object"),
+    ("LEAF missing users", lambda p: read_leaf_file(_leaf_file(p, {"num_samples": [],
+                                                                   "user_data": {}})),
+     ValueError, r"bad_train\.json: missing key 'users'"),
+    ("LEAF users not a list", lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(users="w"))),
+     ValueError, r"bad_train\.json: 'users' and 'num_samples' must be lists"),
+    ("LEAF user_data a list", lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(user_data=[]))),
+     ValueError, r"bad_train\.json: 'user_data' must be an object"),
+    ("LEAF user without data",
+     lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(users=["v"]))), ValueError,
+     r"bad_train\.json: writer 'v' is in 'users' but not in 'user_data'"),
+    ("LEAF duplicate users",
+     lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(users=["w", "w"], num_samples=[2, 2]))),
+     ValueError, "'users' lists a writer more than once"),
+    ("LEAF ragged pixel row",
+     lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(user_data={"w": {
+         "x": [[0.5] * IMAGE_SIZE, [0.5] * 3], "y": [1, 2]}}))),
+     ValueError, r"user_data\['w'\]\['x'\]\[1\] must have 784 values, got 3"),
+    ("LEAF huge label",
+     lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(user_data={"w": {
+         "x": [[0.5] * IMAGE_SIZE] * 2, "y": [1, 10**30]}}))),
+     ValueError, r"user_data\['w'\]\['y'\]"),
+    ("LEAF string pixel", lambda p: load_leaf(_leaf_dir(p, _writer_with("a")), num_clients=1,
+                                              min_samples=1),
+     ValueError, r"train_9\.json: user_data\['w'\]\['x'\] must hold numbers"),
+    ("LEAF NaN pixel", lambda p: load_leaf(_leaf_dir(p, _writer_with(float("nan"))),
+                                           num_clients=1, min_samples=1),
+     ValueError, r"user_data\['w'\]\['x'\] pixel values"),
+    ("LEAF seed string", lambda p: load_leaf(p, seed="a"), TypeError, "seed"),
+    ("LEAF num_clients bool", lambda p: load_leaf(p, num_clients=True), ValueError,
+     "num_clients"),
+    # ---- data: heart disease files
+    ("heart non-ASCII", lambda p: read_heart_disease_file(_heart_file(p, "63.0,\xe9\n")),
+     ValueError, r"processed\.cleveland\.data: not an ASCII text file"),
+    ("heart Latin-1 bytes",
+     lambda p: read_heart_disease_file(_heart_file(p, _HEART_ROW.encode() + b"\xff\n")),
+     ValueError, r"processed\.cleveland\.data"),
+    ("heart empty file", lambda p: read_heart_disease_file(_heart_file(p, "\n")), ValueError,
+     r"processed\.cleveland\.data: no data rows"),
+    ("heart 13 columns",
+     lambda p: read_heart_disease_file(_heart_file(p, _HEART_ROW.rsplit(",", 1)[0])),
+     ValueError, r"processed\.cleveland\.data, line 1: expected 14"),
+    ("heart diagnosis 7",
+     lambda p: read_heart_disease_file(_heart_file(p, _HEART_ROW[:-1] + "7")), ValueError,
+     r"column 14 \(num\)"),
+    ("heart missing file", lambda p: read_heart_disease_file(p / "nope.data"), ValueError,
+     r"nope\.data not found"),
+    ("heart seed string", lambda p: load_heart_disease(p, seed="a"), TypeError, "seed"),
+    ("heart test_fraction NaN", lambda p: load_heart_disease(p, test_fraction=float("nan")),
+     ValueError, "test_fraction"),
+    # ---- embedding
+    ("dissimilarities not ClientData", lambda p: embedding.dissimilarities((X, Y, COUNTS),
+                                                                           key=KEY),
+     TypeError, "clients must be a ClientData"),
+    ("dissimilarities NaN data",
+     lambda p: embedding.dissimilarities(ClientData(X.at[0, 0, 0].set(jnp.nan), Y, COUNTS),
+                                         key=KEY), ValueError, "clients.x contains NaN"),
+    ("dissimilarities label_scale NaN",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, label_scale=float("nan")), ValueError,
+     "label_scale"),
+    ("dissimilarities num_classes 0",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, num_classes=0), ValueError,
+     "num_classes"),
+    ("dissimilarities epsilon inf",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, epsilon=float("inf")), ValueError,
+     "epsilon"),
+    ("dissimilarities threshold negative",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, threshold=-1.0), ValueError,
+     "threshold"),
+    ("dissimilarities max_iterations 0",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, max_iterations=0), ValueError,
+     "max_iterations"),
+    ("dissimilarities num_reference float",
+     lambda p: embedding.dissimilarities(DATA, key=KEY, num_reference=2.5), TypeError,
+     "num_reference"),
+    ("dissimilarities empty client",
+     lambda p: embedding.dissimilarities(ClientData(X, Y, jnp.array([2, 0, 3])), key=KEY),
+     ValueError, r"counts must lie in \[1, 4\]"),
+    ("dissimilarities stacked data sets",
+     lambda p: embedding.dissimilarities(jax.tree.map(lambda a: a[None], DATA), key=KEY),
+     ValueError, "clients must be one data set"),
+    ("joint_samples labels out of range",
+     lambda p: embedding.joint_samples(ClientData(X, Y.astype(jnp.int32) + 5, COUNTS),
+                                       num_classes=2), ValueError, r"y must hold integer labels"),
+    ("embed joint 2-D", lambda p: embedding.embed(JOINT[0], COUNTS, REF), ValueError,
+     r"joint must have shape \[n, N_max, dz\]"),
+    ("embed reference of other dz", lambda p: embedding.embed(JOINT, COUNTS, REF[:, :2]),
+     ValueError, r"reference must have shape \[N0, 3\]"),
+    ("embed counts of other n", lambda p: embedding.embed(JOINT, COUNTS[:2], REF), ValueError,
+     r"counts must have shape \[3\]"),
+    ("embed float counts", lambda p: embedding.embed(JOINT, COUNTS * 1.0, REF), TypeError,
+     "counts must hold integers"),
+    ("embed zero count", lambda p: embedding.embed(JOINT, jnp.array([0, 1, 2]), REF),
+     ValueError, r"counts must lie in \[1, 4\]"),
+    ("embed NaN joint", lambda p: embedding.embed(JOINT.at[1, 1, 1].set(jnp.nan), COUNTS, REF),
+     ValueError, "joint contains NaN"),
+    ("embed inf reference", lambda p: embedding.embed(JOINT, COUNTS, REF.at[0, 0].set(jnp.inf)),
+     ValueError, "reference contains NaN or infinite"),
+    ("embed batch_size 0", lambda p: embedding.embed(JOINT, COUNTS, REF, batch_size=0),
+     ValueError, "batch_size"),
+    ("embed inner_iterations 0",
+     lambda p: embedding.embed(JOINT, COUNTS, REF, inner_iterations=0), ValueError,
+     "inner_iterations"),
+    ("embed max < inner",
+     lambda p: embedding.embed(JOINT, COUNTS, REF, max_iterations=5, inner_iterations=10),
+     ValueError, "max_iterations must be >= inner_iterations"),
+    ("gaussian_reference empty client",
+     lambda p: embedding.gaussian_reference(JOINT, jnp.array([0, 1, 2]), key=KEY), ValueError,
+     r"counts must lie in \[1, 4\]"),
+    ("gaussian_reference NaN samples",
+     lambda p: embedding.gaussian_reference(JOINT.at[0, 0, 0].set(jnp.nan), COUNTS, key=KEY),
+     ValueError, "samples contains NaN"),
+    ("gaussian_reference key None",
+     lambda p: embedding.gaussian_reference(JOINT, COUNTS, key=None), TypeError,
+     "key must be a PRNG key"),
+    ("gaussian_reference no counts", lambda p: embedding.gaussian_reference(JOINT, key=KEY),
+     ValueError, "counts is required"),
+    ("gaussian_reference samples 2-D",
+     lambda p: embedding.gaussian_reference(JOINT[0], COUNTS, key=KEY), ValueError,
+     r"samples must have shape \[n, N_max, dz\]"),
+    ("gaussian_reference num_reference 0",
+     lambda p: embedding.gaussian_reference(DATA, key=KEY, num_reference=0), ValueError,
+     "num_reference"),
+    ("pairwise NaN maps",
+     lambda p: embedding.pairwise_from_embeddings(JOINT.at[0, 0, 0].set(jnp.nan)), ValueError,
+     "maps contains NaN"),
+    ("pairwise maps 2-D", lambda p: embedding.pairwise_from_embeddings(JOINT[0]), ValueError,
+     r"maps must have shape"),
+    ("pairwise norm", lambda p: embedding.pairwise_from_embeddings(JOINT, norm="l2"), ValueError,
+     "norm must be one of"),
+    # ---- models
+    ("ridge_loss lam NaN", lambda p: models.ridge_loss(float("nan")), ValueError, "lam"),
+    ("ridge_loss lam inf", lambda p: models.ridge_loss(float("inf")), ValueError, "lam"),
+    ("ridge_loss lam array", lambda p: models.ridge_loss(np.ones(2)), TypeError, "lam"),
+    ("logistic_loss lam negative", lambda p: models.logistic_loss(-1.0), ValueError, "lam"),
+    ("mlp hidden bool", lambda p: models.mlp(hidden=True), TypeError, "hidden"),
+    ("mlp hidden float", lambda p: models.mlp(hidden=2.0), TypeError, "hidden"),
+    ("linear_params integer dtype", lambda p: models.linear_params(3, dtype=jnp.int32),
+     TypeError, "dtype"),
+    ("linear_params dim float", lambda p: models.linear_params(3.0), TypeError, "dim"),
+    ("init_params input_shape string", lambda p: models.init_params(models.mlp(), KEY, "ab"),
+     TypeError, "input_shape"),
+    ("output_layer_mask list", lambda p: models.output_layer_mask([jnp.zeros(2)]), TypeError,
+     "params must be a dict"),
+    ("output_layer_mask unknown layer",
+     lambda p: models.output_layer_mask(_mlp_params(2), layer="nope"), ValueError,
+     "layer='nope'"),
+    ("cross_entropy_loss not callable", lambda p: models.cross_entropy_loss("f"), TypeError,
+     "apply_fn"),
+    # ---- algorithms: factories
+    ("karula t negative", lambda p: ALGOS["karula"](t=-1.0), ValueError, "t must be >= 0"),
+    ("karula t NaN", lambda p: karula(LOSS, D, t=float("nan"), **HP), ValueError, "t must be"),
+    ("karula t string", lambda p: karula(LOSS, D, t="1", **HP), TypeError, "t must be a real"),
+    ("karula learning_rate inf", lambda p: ALGOS["karula"](learning_rate=float("inf")),
+     ValueError, "learning_rate must be finite"),
+    ("karula D NaN", lambda p: karula(LOSS, D.at[0, 1].set(jnp.nan), t=1.0, **HP), ValueError,
+     "D must not contain NaN"),
+    ("karula D asymmetric", lambda p: karula(LOSS, D.at[0, 1].set(3.0), t=1.0, **HP),
+     ValueError, "D must be symmetric"),
+    ("karula D negative", lambda p: karula(LOSS, -D, t=1.0, **HP), ValueError, "D must be >= 0"),
+    ("karula D not square", lambda p: karula(LOSS, D[:2], t=1.0, **HP), ValueError,
+     "D must be a square matrix"),
+    ("karula batch_size 0", lambda p: ALGOS["karula"](batch_size=0), ValueError, "batch_size"),
+    ("karula weights negative", lambda p: ALGOS["karula"](weights=jnp.array([1.0, -1.0, 1.0])),
+     ValueError, "weights must be finite, >= 0"),
+    ("karula weights 2-D", lambda p: ALGOS["karula"](weights=jnp.ones((3, 1))), ValueError,
+     r"weights must have shape"),
+    ("karula s > n at init",
+     lambda p: ALGOS["karula"](clients_per_round=4).init(THETA, DATA, key=KEY), ValueError,
+     "clients_per_round=4 exceeds the number of clients n=3"),
+    ("karula D of other n",
+     lambda p: karula(LOSS, jnp.zeros((4, 4)), t=1.0, **HP).init(THETA, DATA, key=KEY),
+     ValueError, r"D has shape \(4, 4\) but data hold 3 clients"),
+    ("local clients_per_round 0", lambda p: local(LOSS, learning_rate=0.1, batch_size=2,
+                                                  clients_per_round=0), ValueError,
+     "clients_per_round"),
+    ("local learning_rate negative", lambda p: local(LOSS, learning_rate=-0.1, batch_size=2),
+     ValueError, "learning_rate"),
+    ("fedsgd batch_size float", lambda p: ALGOS["fedsgd"](batch_size=2.0), TypeError,
+     "batch_size"),
+    ("fedavg local_steps 0", lambda p: ALGOS["fedavg"](local_steps=0), ValueError,
+     "local_steps"),
+    ("ifca num_clusters float", lambda p: ifca(LOSS, num_clusters=2.0, **HP), TypeError,
+     "num_clusters"),
+    ("ifca init_scale negative", lambda p: ALGOS["ifca"](init_scale=-1.0), ValueError,
+     "init_scale"),
+    ("pfedme personal_learning_rate 0", lambda p: ALGOS["pfedme"](personal_learning_rate=0.0),
+     ValueError, "personal_learning_rate"),
+    ("pfedme beta NaN", lambda p: ALGOS["pfedme"](beta=float("nan")), ValueError, "beta"),
+    # ---- algorithms: init and round
+    *[
+        (f"{name} params of length d+1",
+         lambda p, name=name: ALGOS[name]().init(jnp.zeros(DIM + 1), DATA, key=KEY), ValueError,
+         r"params do not fit the data.*\(3,\).*x of shape \(4, 2\)")
+        for name in ALGOS
+    ],
+    ("fedavg MLP for another input size",
+     lambda p: fedavg(models.cross_entropy_loss(models.mlp(3, 2).apply), **HP).init(
+         _mlp_params(5), DATA._replace(y=DATA.y.astype(jnp.int32)), key=KEY),
+     ValueError, r"params do not fit the data.*\(5, 3\)"),
+    ("integer params", lambda p: ALGOS["local"]().init(jnp.zeros(DIM, jnp.int32), DATA, key=KEY),
+     TypeError, "params leaves must be floating"),
+    ("empty params", lambda p: ALGOS["fedsgd"]().init({}, DATA, key=KEY), TypeError,
+     "params must be a pytree with at least one array leaf"),
+    ("loss returning a vector",
+     lambda p: local(lambda th, x, y, m: x @ th, learning_rate=0.1, batch_size=2).init(
+         THETA, DATA, key=KEY), TypeError, "loss must return a scalar"),
+    ("init key None", lambda p: ALGOS["fedavg"]().init(THETA, DATA, key=None), TypeError,
+     "key must be a PRNG key"),
+    ("init stacked keys",
+     lambda p: ALGOS["pfedme"]().init(THETA, DATA, key=jax.random.split(KEY, 2)), ValueError,
+     "key must be one PRNG key"),
+    ("init data a tuple", lambda p: ALGOS["ifca"]().init(THETA, (X, Y, COUNTS), key=KEY),
+     TypeError, "data must be a ClientData"),
+    ("round on data of other n",
+     lambda p: (lambda a, s: a.round(s, DATA.subset([0, 1])))(*_one_round_state()), ValueError,
+     "data hold 2 clients but state was initialized for 3"),
+    ("fedavg personalized of other structure",
+     lambda p: ALGOS["fedavg"](personalized={"w": True}).init(THETA, DATA, key=KEY), ValueError,
+     "personalized must have the tree structure of params"),
+    ("ifca initial_clusters do not fit the data",
+     lambda p: ALGOS["ifca"](initial_clusters=jnp.zeros((2, DIM + 1))).init(THETA, DATA, key=KEY),
+     ValueError, "initial_clusters do not fit the data"),
+    ("lipschitz_ridge lam negative", lambda p: lipschitz_ridge(DATA, -1.0), ValueError, "lam"),
+    ("lipschitz_ridge not ClientData", lambda p: lipschitz_ridge((X, Y, COUNTS), 0.1), TypeError,
+     "data must be a ClientData"),
+    ("lipschitz_ridge weights of other n", lambda p: lipschitz_ridge(DATA, 0.1, jnp.ones(2)),
+     ValueError, r"weights must have shape \[3\]"),
+    ("lipschitz_ridge every client empty",
+     lambda p: lipschitz_ridge(ClientData(X, Y, jnp.zeros(3, jnp.int32)), 0.1), ValueError,
+     "counts must be >= 0 and not all zero"),
+    ("lipschitz_ridge NaN features",
+     lambda p: lipschitz_ridge(ClientData(X.at[0, 0, 0].set(jnp.nan), Y, COUNTS), 0.1),
+     ValueError, "data.x contains NaN"),
+    # ---- projection (the shape half; the values half is pending)
+    ("project radii_sq of other n",
+     lambda p: projection.project(jnp.zeros((N, DIM)), jnp.zeros((N + 1, N + 1))), ValueError,
+     "radii_sq"),
+    ("project radii_sq 1-D", lambda p: projection.project(jnp.zeros((N, DIM)), jnp.zeros(N)),
+     ValueError, "radii_sq"),
+    # ---- training
+    ("run num_rounds 0", lambda p: training.run(ALGOS["local"](), THETA, DATA, key=KEY,
+                                                num_rounds=0), ValueError, "num_rounds"),
+    ("run num_rounds float", lambda p: training.run(ALGOS["local"](), THETA, DATA, key=KEY,
+                                                    num_rounds=2.0), TypeError, "num_rounds"),
+    ("run chunk_size -1", lambda p: training.run(ALGOS["local"](), THETA, DATA, key=KEY,
+                                                 num_rounds=2, chunk_size=-1), ValueError,
+     "chunk_size"),
+    ("run on_nonfinite", lambda p: training.run(ALGOS["local"](), THETA, DATA, key=KEY,
+                                                num_rounds=2, on_nonfinite="warn"), ValueError,
+     "on_nonfinite"),
+    ("run resume without dir", lambda p: training.run(ALGOS["local"](), THETA, DATA, key=KEY,
+                                                      num_rounds=2, resume=True), ValueError,
+     "resume=True needs checkpoint_dir"),
+    ("run not an Algorithm", lambda p: training.run(lambda s: s, THETA, DATA, key=KEY,
+                                                    num_rounds=2), TypeError, "algorithm"),
+    ("product_grid no axis", lambda p: training.product_grid(), ValueError, "hyperparameter"),
+    ("product_grid 2-D values", lambda p: training.product_grid(t=[[0.0, 1.0]]), ValueError,
+     "t must be a non-empty 1-D"),
+    ("product_grid empty values", lambda p: training.product_grid(t=[]), ValueError, "t must be"),
+    ("run_many one key", lambda p: training.run_many(lambda: ALGOS["local"](), THETA, DATA,
+                                                     keys=KEY, num_rounds=1), ValueError, "keys"),
+    ("run_many hyper lengths", lambda p: training.run_many(
+        lambda **h: ALGOS["local"](), THETA, DATA, keys=jax.random.split(KEY, 2), num_rounds=1,
+        hyper={"a": [1.0, 2.0], "b": [1.0]}), ValueError, "hyper arrays must have the same"),
+    ("run_many hyper not a dict", lambda p: training.run_many(
+        lambda **h: ALGOS["local"](), THETA, DATA, keys=jax.random.split(KEY, 2), num_rounds=1,
+        hyper=[1.0]), TypeError, "hyper must be"),
+    ("run_many data_per_seed without seed axis", lambda p: training.run_many(
+        lambda: ALGOS["local"](), THETA, DATA, keys=jax.random.split(KEY, 2), num_rounds=1,
+        data_per_seed=True), ValueError, "data_per_seed"),
+    ("checkpoint garbage file", _garbage_checkpoint, ValueError, r"checkpoint\.npz"),
+    ("checkpoint meta not JSON", _checkpoint_bad_meta, ValueError, r"checkpoint\.npz"),
+]  # fmt: skip
+
+
+# Bad input that work in progress elsewhere (projection values, checkpoint writing) will reject.
+# A case moves up to CASES once it passes.
+PENDING_CASES = [
+    ("project v with NaN",
+     lambda p: projection.project(jnp.zeros((N, DIM)).at[0, 0].set(jnp.nan), jnp.ones((N, N))),
+     ValueError, "v"),
+    ("project v with inf",
+     lambda p: projection.project(jnp.zeros((N, DIM)).at[1, 0].set(jnp.inf), jnp.ones((N, N))),
+     ValueError, "v"),
+    ("save_checkpoint rounds_done negative",
+     lambda p: training.save_checkpoint(p / "c.npz", {"a": jnp.zeros(2)}, rounds_done=-1),
+     ValueError, "rounds_done"),
+]  # fmt: skip
+
+
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+def test_table_is_complete():
+    assert len(CASES) >= 100
+    assert len(set(_ids(CASES + PENDING_CASES))) == len(CASES) + len(PENDING_CASES)
+
+
+@pytest.mark.parametrize(("name", "call", "exc", "match"), CASES, ids=_ids(CASES))
+def test_bad_input(tmp_path, name, call, exc, match):
+    with pytest.raises(exc, match=match) as err:
+        call(tmp_path)
+    assert type(err.value) is exc, f"{name}: {type(err.value).__name__}: {err.value}"
+
+
+@pytest.mark.parametrize(("name", "call", "exc", "match"), PENDING_CASES,
+                         ids=_ids(PENDING_CASES))  # fmt: skip
+def test_pending_bad_input(tmp_path, name, call, exc, match):
+    try:
+        call(tmp_path)
+    except exc as e:
+        if not re.search(match, str(e)):
+            pytest.xfail(f"pending: message does not name the argument: {e}")
+        return
+    except Exception as e:  # noqa: BLE001 - reported as pending
+        pytest.xfail(f"pending: {type(e).__name__}: {e}")
+    pytest.xfail("pending: no error")
+
+
+# --------------------------------------------------------------------------- per class
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    n_max=st.integers(1, 4),
+    counts=st.lists(st.integers(-2, 6), min_size=1, max_size=4),
+    y_rows=st.integers(1, 4),
+)
+def test_client_data_validates_counts_and_shapes(n, n_max, counts, y_rows):
+    """Direct construction accepts exactly the consistent combinations."""
+    x = np.zeros((n, n_max, 2), np.float32)
+    y = np.zeros((n, y_rows), np.float32)
+    c = np.asarray(counts, np.int32)
+    valid = len(counts) == n and y_rows == n_max and all(0 <= k <= n_max for k in counts)
+    if valid:
+        data = ClientData(x, y, c)
+        assert data.num_clients == n and data.max_count == n_max
+    else:
+        with pytest.raises(ValueError, match="ClientData: (x|y|counts)"):
+            ClientData(x, y, c)
+
+
+def test_client_data_still_works_under_transformations():
+    """Tracers, placeholders and rebuilt trees skip the constructor's checks."""
+    shapes = jax.eval_shape(lambda d: d, DATA)
+    assert isinstance(shapes, ClientData) and shapes.x.shape == (N, NMAX, DIM)
+    nones = jax.tree.map(lambda a: None, DATA)
+    assert isinstance(nones, ClientData) and nones.x is None
+    flags = jax.tree.map(lambda a: bool(np.all(np.asarray(a) == np.asarray(a))), DATA)
+    assert isinstance(flags, ClientData) and flags.counts is True
+    axes = ClientData(0, 0, None)  # a vmap prefix spec
+    sums = jax.vmap(lambda d: d.x.sum() + d.counts.sum(), in_axes=(axes,))(DATA)
+    assert sums.shape == (N,)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), DATA)  # [S, n, ...] data sets
+    assert ClientData(*stacked).counts.shape == (2, N)
+    jitted = jax.jit(lambda d: ClientData(d.x * 2, d.y, d.counts))(DATA)
+    np.testing.assert_array_equal(jitted.x, 2 * DATA.x)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(DATA)[0]]
+    assert paths == [".x", ".y", ".counts"]
+
+
+def test_finite_check_happens_after_the_cast():
+    big = np.array([[3e38, 0.0], [1.0, 1.0]])  # finite in float32 too: accepted
+    assert np.isfinite(np.asarray(from_client_arrays([big], [np.ones(2)]).x)).all()
+    with pytest.raises(ValueError, match="too large for float32"):
+        from_client_arrays([big * 10], [np.ones(2)])
+    with pytest.raises(ValueError, match="too large for float16"):
+        from_client_arrays([np.full((1, 2), 1e5)], [np.ones(1)], dtype=jnp.float16)
+
+
+def test_subset_keeps_order_and_repeats():
+    sub = DATA.subset([2, 0, 2])
+    np.testing.assert_array_equal(sub.counts, np.asarray(COUNTS)[[2, 0, 2]])
+    np.testing.assert_array_equal(DATA.subset(np.array([False, True, True])).counts, COUNTS[1:])
+
+
+def test_lipschitz_ridge_with_an_empty_client_is_defined():
+    """An empty client's loss is lam/2 ||theta||^2: L_i = lam, and alpha_i = 0 by default."""
+    lam = 0.1
+    empty = ClientData(X, Y, jnp.array([2, 0, 3], jnp.int32))
+    got = lipschitz_ridge(empty, lam)
+    x = np.asarray(X, np.float64)
+    L_i = [np.linalg.eigvalsh(x[i, :c].T @ x[i, :c] / c)[-1] + lam for i, c in ((0, 2), (2, 3))]
+    alpha = np.array([2, 3]) * 3 / 5
+    np.testing.assert_allclose(got, np.max(alpha * L_i) / 3, rtol=1e-6)
+    weighted = lipschitz_ridge(empty, lam, weights=jnp.ones(3), per_client=True)
+    assert weighted >= lam and np.isfinite(weighted)
+
+
+def test_params_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match="params do not fit") as err:
+        ALGOS["karula"]().init(jnp.zeros(DIM + 1), DATA, key=KEY)
+    msg = str(err.value)
+    assert "(3,)" in msg and "(4, 2)" in msg
+    assert isinstance(err.value.__cause__, TypeError)  # the dot_general error, chained
+
+
+def test_param_check_works_inside_vmap_over_data():
+    """The init check uses shapes only, so it runs on traced (vmapped) data."""
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), DATA)
+    keys = jax.random.split(KEY, 2)
+    state = jax.vmap(lambda d, k: ALGOS["local"]().init(THETA, d, key=k))(stacked, keys)
+    assert state.params.shape == (2, N, DIM)
+    with pytest.raises(ValueError, match="params do not fit"):
+        jax.vmap(lambda d, k: ALGOS["local"]().init(jnp.zeros(5), d, key=k))(stacked, keys)
+
+
+def test_non_utf8_leaf_file_through_load_leaf(tmp_path):
+    _leaf_dir(tmp_path, {"x": [[0.5] * IMAGE_SIZE], "y": [1]})
+    (tmp_path / "train" / "all_data_0_train_9.json").write_bytes(b"\x80\x81")
+    with pytest.raises(ValueError, match=r"all_data_0_train_9\.json: not UTF-8"):
+        load_leaf(tmp_path, num_clients=1, min_samples=1)
+
+
+@pytest.mark.skip(reason="pending (projection owner): integer v should give a float result")
+def test_project_integer_v_gives_float_feasible_result():
+    v = jnp.array([[0], [3]], jnp.int32)
+    out = projection.project(v, jnp.ones((2, 2)))[0]
+    assert jnp.issubdtype(out.dtype, jnp.floating)
+    assert float(jnp.sum((out[0] - out[1]) ** 2)) <= 1.0 + 1e-5
