@@ -16,6 +16,8 @@ __all__ = ["format_mean_se", "mean_and_se", "paired_difference", "summarize"]
 
 
 def _as_float_array(name: str, values: Any) -> np.ndarray:
+    if values is None or isinstance(values, str | bytes):
+        raise TypeError(f"{name} must be a numeric array, got {type(values).__name__}")
     try:
         a = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as e:
@@ -34,13 +36,17 @@ def mean_and_se(
       axis: the seed axis.
       num_se: width of the band in standard errors (2 by default).
       ignore_nan: skip NaN entries (diverged runs) per position, using the number of
-        finite repetitions at that position; otherwise NaN propagates.
+        remaining repetitions at that position; otherwise NaN propagates.
 
     Returns:
       ``(mean, band)`` with ``axis`` removed, in float64, where
-      ``band = num_se * std(values, ddof=1) / sqrt(S)``.
+      ``band = num_se * std(values, ddof=1) / sqrt(S)``. Infinite values are values, not
+      gaps: a position holding one has an infinite mean (NaN if both signs occur) and an
+      infinite band. A position left with fewer than 2 values by ``ignore_nan`` has a NaN
+      band (NaN mean if it has none).
 
     Raises:
+      TypeError: if ``values`` is not numeric.
       ValueError: if fewer than 2 repetitions lie along ``axis``, or ``num_se`` < 0.
     """
     a = _as_float_array("values", values)
@@ -55,18 +61,24 @@ def mean_and_se(
         )
     if num_se < 0:
         raise ValueError(f"num_se must be >= 0, got {num_se}")
-    if ignore_nan:
-        count = np.sum(~np.isnan(a), axis=axis)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = np.nansum(a, axis=axis) / np.where(count > 0, count, np.nan)
-            dev = np.where(np.isnan(a), 0.0, a - np.expand_dims(mean, axis))
-            var = np.sum(dev**2, axis=axis) / np.where(count > 1, count - 1, np.nan)
-            se = np.sqrt(var / count)
-    else:
-        count = a.shape[axis]
-        mean = np.mean(a, axis=axis)
-        se = np.std(a, axis=axis, ddof=1) / np.sqrt(count)
-    return mean, num_se * se
+    a = np.moveaxis(a, axis, 0)
+    gap = np.isnan(a) if ignore_nan else np.zeros(a.shape, bool)
+    count = np.sum(~gap, axis=0)
+    inf = np.isinf(a)
+    finite = np.where(gap | inf, 0.0, a)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # Moments of the finite values; infinities are put back afterwards, so that
+        # inf - inf never turns a band into NaN.
+        n_fin = np.sum(~gap & ~inf, axis=0)
+        mean_fin = np.sum(finite, axis=0) / n_fin
+        dev = np.where(gap | inf, 0.0, a - mean_fin)
+        var = np.sum(dev**2, axis=0) / (count - 1)
+        se = np.sqrt(var) / np.sqrt(count)
+        total = np.sum(np.where(gap, 0.0, a), axis=0)  # +-inf, or NaN for both signs
+        mean = np.where(inf.any(axis=0), total, mean_fin)
+    se = np.where(inf.any(axis=0), np.inf, np.where(count > 1, se, np.nan))
+    mean = np.where(count > 0, mean, np.nan)
+    return mean[()], (num_se * se)[()]
 
 
 def paired_difference(
@@ -99,8 +111,34 @@ def summarize(tree: Mapping[str, Any], axis: int = 0, *, num_se: float = 2.0) ->
     return out
 
 
-def format_mean_se(mean: Any, band: Any, *, digits: int = 2, scale: float = 1.0) -> str:
-    """``"91.30 ± 0.75"`` for scalars (``scale=100`` turns fractions into percent)."""
-    m = float(np.asarray(mean)) * scale
-    s = float(np.asarray(band)) * scale
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+def format_mean_se(mean: Any, band: Any, *, digits: int = 2, scale: float = 1.0) -> Any:
+    """``"91.30 ± 0.75"``: a mean and its band as text (``scale=100`` turns fractions into %).
+
+    Args:
+      mean: a number or an array (numpy or jax).
+      band: a number or an array broadcastable with ``mean``, e.g. from :func:`mean_and_se`.
+      digits: decimals.
+      scale: factor applied to both.
+
+    Returns:
+      A ``str`` when both are scalars (0-d), otherwise a numpy array of ``str`` of the
+      broadcast shape. A NaN band (e.g. a single finite seed) prints as ``± nan``.
+
+    Raises:
+      TypeError: if ``mean`` or ``band`` is not numeric, or ``digits`` not an int.
+      ValueError: if their shapes do not broadcast, or ``digits`` < 0.
+    """
+    m = _as_float_array("mean", mean)
+    s = _as_float_array("band", band)
+    if isinstance(digits, bool) or not isinstance(digits, int | np.integer):
+        raise TypeError(f"digits must be an int, got {type(digits).__name__}")
+    if digits < 0:
+        raise ValueError(f"digits must be >= 0, got {digits}")
+    try:
+        m, s = np.broadcast_arrays(m * scale, s * scale)
+    except ValueError as e:
+        raise ValueError(
+            f"mean and band must have broadcastable shapes, got {m.shape} and {s.shape}"
+        ) from e
+    text = np.vectorize(lambda a, b: f"{a:.{digits}f} ± {b:.{digits}f}", otypes=[object])(m, s)
+    return str(text[()]) if text.ndim == 0 else text.astype(str)

@@ -65,3 +65,39 @@ def test_bad_input():
         mean_and_se(["a", "b"])
     with pytest.raises(ValueError, match="num_se"):
         mean_and_se(np.ones(3), num_se=-1)
+
+
+def test_ignore_nan_keeps_infinities_as_infinite_bands():
+    values = np.array([[1.0, 1.0, 1.0], [np.inf, np.nan, -np.inf], [3.0, 2.0, np.inf]])
+    mean, band = mean_and_se(values, ignore_nan=True)
+    assert mean[0] == np.inf and band[0] == np.inf
+    assert np.isnan(mean[2]) and band[2] == np.inf  # +inf and -inf: no mean, no bound
+    np.testing.assert_allclose([mean[1], band[1]], [1.5, 2 * sps.sem([1.0, 2.0])])
+    mean, band = mean_and_se(values)  # without ignore_nan the NaN still propagates
+    assert mean[0] == np.inf and band[0] == np.inf and np.isnan(mean[1])
+    mean, band = mean_and_se(np.array([np.nan, 2.0, np.nan]), ignore_nan=True)
+    assert mean == 2.0 and np.isnan(band)  # one value left: unknown band
+
+
+def test_format_mean_se_takes_arrays():
+    mean, band = mean_and_se(np.array([[0.9, 0.5], [0.92, 0.7]]))
+    text = format_mean_se(mean, band, scale=100, digits=1)
+    assert text.shape == (2,) and text.tolist() == ["91.0 ± 2.0", "60.0 ± 20.0"]
+    assert format_mean_se(jnp.float32(0.5), np.float64(0.25)) == "0.50 ± 0.25"
+    assert format_mean_se(np.array([1.0]), 0.5).tolist() == ["1.00 ± 0.50"]
+    assert format_mean_se(1.0, np.nan) == "1.00 ± nan"
+
+
+def test_format_mean_se_rejects_bad_input_naming_the_argument():
+    with pytest.raises(TypeError, match="mean must be a numeric array"):
+        format_mean_se("a", 1.0)
+    with pytest.raises(TypeError, match="band must be a numeric array"):
+        format_mean_se(1.0, None)
+    with pytest.raises(ValueError, match="mean and band must have broadcastable shapes"):
+        format_mean_se(np.ones(3), np.ones(2))
+    with pytest.raises(TypeError, match="digits must be an int"):
+        format_mean_se(1.0, 1.0, digits=1.5)
+    with pytest.raises(ValueError, match="digits must be >= 0"):
+        format_mean_se(1.0, 1.0, digits=-1)
+    with pytest.raises(TypeError, match="values must be a numeric array"):
+        mean_and_se([object(), object()])
