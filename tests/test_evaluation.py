@@ -1,0 +1,222 @@
+"""Cross-validation splits and selection, per-client metrics, rank correlation of D."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from karula_jax import evaluation as ev
+from karula_jax.data import from_client_arrays
+
+
+def _toy(seed=0, sizes=(7, 12, 5, 2), dim=3, classes=None):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(m, dim)).astype(np.float32) for m in sizes]
+    if classes is None:
+        ys = [rng.normal(size=m).astype(np.float32) for m in sizes]
+    else:
+        ys = [rng.integers(0, classes, size=m) for m in sizes]
+    return from_client_arrays(xs, ys, num_classes=classes), xs, ys
+
+
+@pytest.mark.parametrize("num_folds", [2, 3, 5])
+def test_kfold_split_partitions_every_clients_rows(num_folds):
+    data, xs, ys = _toy(sizes=(7, 12, 5, 2, 1))
+    folds = np.asarray(ev.fold_ids(data.counts, data.max_count, num_folds, key=jax.random.key(0)))
+    train, val = ev.kfold_split(data, num_folds, folds=folds)
+    assert train.x.shape == (num_folds,) + data.x.shape
+    for i, x in enumerate(xs):
+        m = len(x)
+        assert np.all(folds[i, m:] == -1)
+        sizes = np.bincount(folds[i, :m], minlength=num_folds)
+        assert sizes.max() - sizes.min() <= 1  # balanced
+        seen = []
+        for f in range(num_folds):
+            nv, nt = int(val.counts[f, i]), int(train.counts[f, i])
+            assert nv + nt == m
+            # brute force: the fold's rows, in their original order
+            np.testing.assert_array_equal(np.asarray(val.x[f, i, :nv]), x[folds[i, :m] == f])
+            np.testing.assert_array_equal(np.asarray(train.x[f, i, :nt]), x[folds[i, :m] != f])
+            np.testing.assert_array_equal(np.asarray(train.y[f, i, :nt]), ys[i][folds[i, :m] != f])
+            assert np.all(np.asarray(val.x[f, i, nv:]) == 0)
+            assert np.all(np.asarray(train.y[f, i, nt:]) == 0)
+            seen.append(np.flatnonzero(folds[i, :m] == f))
+        # every row is validated exactly once
+        np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(m))
+
+
+def test_kfold_split_from_key_is_jittable_and_vmappable():
+    data, _, _ = _toy()
+    keys = jax.random.split(jax.random.key(3), 2)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), data)
+    train, val = jax.jit(jax.vmap(lambda d, k: ev.kfold_split(d, 3, key=k)))(stacked, keys)
+    assert train.x.shape == (2, 3) + data.x.shape
+    np.testing.assert_array_equal(
+        np.asarray(train.counts + val.counts), np.broadcast_to(data.counts, (2, 3, 4))
+    )
+    want = ev.kfold_split(data, 3, key=keys[1])
+    np.testing.assert_array_equal(np.asarray(val.x[1]), np.asarray(want[1].x))
+
+
+def test_kfold_split_rejects_bad_arguments():
+    data, _, _ = _toy()
+    with pytest.raises(ValueError, match="exactly one of key= and folds="):
+        ev.kfold_split(data, 3)
+    with pytest.raises(ValueError, match="num_folds"):
+        ev.kfold_split(data, 1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="folds must have shape"):
+        ev.kfold_split(data, 2, folds=np.zeros((2, 2), np.int32))
+    with pytest.raises(TypeError, match="data must be a ClientData"):
+        ev.kfold_split(np.zeros(3), 2, key=jax.random.key(0))
+
+
+def test_select_by_cv_on_hand_made_scores():
+    # 2 seeds x 3 folds x 4 grid points
+    scores = np.array(
+        [
+            [[3.0, 1.0, 2.0, 5.0], [3.0, 1.0, 2.0, 5.0], [3.0, 4.0, 2.0, 5.0]],
+            [[1.0, 1.0, 0.5, np.nan], [1.0, 1.0, 0.5, 0.1], [1.0, 1.0, np.inf, 0.1]],
+        ]
+    )
+    sel = ev.select_by_cv(scores)
+    # seed 0: means 3, 2, 2, 5 -> tie between 1 and 2 goes to the first grid point
+    # seed 1: points 2 and 3 diverged on some fold -> excluded; tie 0/1 -> 0
+    np.testing.assert_array_equal(sel.index, [1, 0])
+    np.testing.assert_allclose(sel.score[0], [3, 2, 2, 5])
+    assert np.isinf(sel.score[1, 2:]).all()
+    # fold weights give the pooled score: seed 0 point 1 = (1*1 + 1*1 + 4*8) / 10
+    w = np.array([[1.0, 1.0, 8.0], [1.0, 1.0, 1.0]])
+    sel = ev.select_by_cv(scores, fold_weights=w)
+    np.testing.assert_allclose(sel.score[0], [3.0, 3.4, 2.0, 5.0])
+    assert sel.index[0] == 2
+    # valid=False excludes a point even with a finite score
+    valid = np.ones(scores.shape, bool)
+    valid[0, 0, 1] = False
+    assert ev.select_by_cv(scores, valid=valid).index[0] == 2
+    # maximize: the best accuracy wins, diverged points are excluded as -inf
+    sel = ev.select_by_cv(scores, maximize=True)
+    np.testing.assert_array_equal(sel.index, [3, 0])
+    assert sel.score[1, 3] == -np.inf
+    # no seed axis
+    assert ev.select_by_cv(scores[0]).index == 1
+
+
+def test_select_by_cv_errors():
+    with pytest.raises(ValueError, match="every grid point diverged"):
+        ev.select_by_cv(np.array([[np.nan, 1.0], [1.0, np.inf]]))
+    with pytest.raises(ValueError, match=r"\[\.\.\., K, G\]"):
+        ev.select_by_cv(np.ones(3))
+    with pytest.raises(ValueError, match="fold_weights must have shape"):
+        ev.select_by_cv(np.ones((3, 2)), fold_weights=np.ones(2))
+    with pytest.raises(ValueError, match="valid must have shape"):
+        ev.select_by_cv(np.ones((3, 2)), valid=np.ones(2, bool))
+
+
+def _linear(theta, x):
+    return x @ theta
+
+
+def _brute(xs, ys, theta, fn):
+    return np.array([fn(x @ theta[i], y) for i, (x, y) in enumerate(zip(xs, ys, strict=True))])
+
+
+def test_regression_metrics_match_numpy():
+    data, xs, ys = _toy(1)
+    rng = np.random.default_rng(2)
+    theta = rng.normal(size=(4, 3)).astype(np.float32)
+    truth = rng.normal(size=(4, 3)).astype(np.float32)
+    r2 = np.asarray(jax.jit(ev.r2_score, static_argnums=0)(_linear, theta, data))
+    want = _brute(
+        xs, ys, theta, lambda p, y: 1 - np.sum((y - p) ** 2) / np.sum((y - y.mean()) ** 2)
+    )
+    np.testing.assert_allclose(r2, want, rtol=1e-4, atol=1e-5)
+    mse = np.asarray(ev.mean_squared_error(_linear, theta, data))
+    np.testing.assert_allclose(mse, _brute(xs, ys, theta, lambda p, y: np.mean((p - y) ** 2)), 1e-5)
+    err = np.asarray(ev.estimation_error(theta, truth))
+    np.testing.assert_allclose(err, np.sum((theta - truth) ** 2, axis=1), rtol=1e-6)
+    tree = ev.estimation_error({"a": theta, "b": theta[:, :1]}, {"a": truth, "b": truth[:, :1]})
+    np.testing.assert_allclose(tree, err + (theta[:, 0] - truth[:, 0]) ** 2, rtol=1e-6)
+
+
+def test_classification_metrics_match_numpy():
+    data, xs, ys = _toy(3, classes=4)
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(4, 3, 4)).astype(np.float32)  # per-client [d, C]
+    acc = np.asarray(ev.accuracy(_linear, w, data))
+    nll = np.asarray(ev.log_loss(_linear, w, data))
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        z = x @ w[i]
+        assert acc[i] == pytest.approx(np.mean(np.argmax(z, 1) == y))
+        logp = z - np.log(np.sum(np.exp(z), 1, keepdims=True))
+        assert nll[i] == pytest.approx(-np.mean(logp[np.arange(len(y)), y]), rel=1e-5)
+    # binary: one logit per row
+    data, xs, ys = _toy(5, classes=2)
+    v = rng.normal(size=(4, 3)).astype(np.float32)
+    acc = np.asarray(ev.accuracy(_linear, v, data))
+    nll = np.asarray(ev.log_loss(_linear, v, data))
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        z = x @ v[i]
+        assert acc[i] == pytest.approx(np.mean((z > 0) == y))
+        p = 1 / (1 + np.exp(-z))
+        want = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+        assert nll[i] == pytest.approx(want, rel=1e-5)
+
+
+def test_metrics_ignore_inf_in_padding():
+    data, xs, ys = _toy(6)
+    x = np.asarray(data.x).copy()
+    x[0, len(xs[0]) :] = np.inf
+    bad = data._replace(x=jnp.asarray(x))
+    theta = np.ones((4, 3), np.float32)
+    for fn in (ev.r2_score, ev.mean_squared_error):
+        np.testing.assert_allclose(fn(_linear, theta, bad), fn(_linear, theta, data), rtol=1e-6)
+
+
+def test_spearman_offdiag_matches_scipy():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 7, 12):
+        a = rng.normal(size=(n, n))
+        b = a + rng.normal(size=(n, n))
+        b[0, -1] = a[0, -1] = 1.0  # ties
+        iu = np.triu_indices(n, 1)
+        want = sps.spearmanr(a[iu], b[iu]).statistic if n > 2 else np.nan
+        got = ev.spearman_offdiag(a, b)
+        if n == 2:
+            assert np.isnan(got)  # one pair: constant
+        else:
+            assert got == pytest.approx(want, abs=1e-12)
+    a = rng.integers(0, 3, size=(9, 9)).astype(float)  # many ties
+    b = rng.integers(0, 3, size=(9, 9)).astype(float)
+    iu = np.triu_indices(9, 1)
+    assert ev.spearman_offdiag(a, b) == pytest.approx(sps.spearmanr(a[iu], b[iu]).statistic)
+    with pytest.raises(ValueError, match="a and b must be square"):
+        ev.spearman_offdiag(np.ones((3, 3)), np.ones((3, 4)))
+
+
+def test_pairwise_sq_distances_and_active_fraction():
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(5, 3)), "b": rng.normal(size=(5,))}
+    sq = ev.pairwise_sq_distances(params)
+    v = np.concatenate([params["b"][:, None], params["w"]], axis=1)
+    want = ((v[:, None] - v[None]) ** 2).sum(-1)
+    np.testing.assert_allclose(sq, want, rtol=1e-12)
+    only_w = ev.pairwise_sq_distances(params, {"w": True, "b": False})
+    np.testing.assert_allclose(only_w, ((params["w"][:, None] - params["w"][None]) ** 2).sum(-1))
+    iu = np.triu_indices(5, 1)
+    D = np.ones((5, 5))
+    for t in (0.0, np.median(sq[iu]), 10 * sq.max()):
+        want = np.mean([sq[i, j] >= (1 - 1e-3) * t for i, j in zip(*iu, strict=True)])
+        assert ev.active_fraction(sq, D, t) == pytest.approx(want)
+    assert ev.active_fraction(sq, D, 0.0) == 1.0
+    assert ev.active_fraction(sq, D, 1e9) == 0.0
+
+
+def test_exact_pairwise_w1_is_a_metric_on_samples():
+    pytest.importorskip("ot")
+    data = from_client_arrays(
+        [np.zeros((2, 1)), np.ones((3, 1)), 3 * np.ones((1, 1))], [np.zeros(2), np.zeros(3), [0.0]]
+    )
+    w = ev.exact_pairwise_w1(data)
+    # point masses at 0, 1, 3 on the x axis (y = 0): W1 is the distance between them
+    np.testing.assert_allclose(w, [[0, 1, 3], [1, 0, 2], [3, 2, 0]], atol=1e-12)
