@@ -63,10 +63,6 @@ DEFAULT_THRESHOLD = 1e-3
 DEFAULT_MAX_ITERATIONS = 5000
 _NORMS = ("row", "l1")
 
-# Number of times the batched solver has been traced (Python side effect, runs only while
-# tracing); tests use it to show that repeated calls with equal shapes compile once.
-_TRACE_COUNT = {"embed": 0}
-
 
 class EmbedOutput(NamedTuple):
     """Per-client OT solutions returned by :func:`embed`.
@@ -252,10 +248,7 @@ def _solve_one(reference, z, b, epsilon, threshold, max_iterations, inner_iterat
     return EmbedOutput(maps, plan, converged, out.n_iters.astype(jnp.int32), err)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("max_iterations", "inner_iterations", "batch_size", "return_plans")
-)
-def _embed_batched(
+def _embed_clients(
     reference,
     joint,
     weights,
@@ -266,7 +259,7 @@ def _embed_batched(
     batch_size,
     return_plans,
 ):
-    _TRACE_COUNT["embed"] += 1
+    """Every client's OT solve (vmapped, or in batches); jitted as :data:`_embed_batched`."""
 
     def solve(zb):
         out = _solve_one(
@@ -285,6 +278,12 @@ def _embed_batched(
     # Batches of clients run one after another: bounds memory, and a batch stops as soon as
     # its own slowest client has converged.
     return jax.lax.map(solve, (joint, weights), batch_size=batch_size)
+
+
+# Sizes and flags are static; tests wrap _embed_clients with chex.assert_max_traces and jit
+# it with these to show that repeated calls with equal shapes compile once.
+_EMBED_STATIC = ("max_iterations", "inner_iterations", "batch_size", "return_plans")
+_embed_batched = jax.jit(_embed_clients, static_argnames=_EMBED_STATIC)
 
 
 def _check_counts(counts, n: int, n_max: int) -> jnp.ndarray:
