@@ -1,4 +1,4 @@
-"""Client-axis sharding (DESIGN §8) on 4 simulated CPU devices.
+"""Client-axis and batch-axis sharding (DESIGN §8) on 4 simulated CPU devices.
 
 The device count of a JAX process is fixed at start-up, so the check runs this file as a
 script in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
@@ -46,17 +46,62 @@ def _compare_sharded_and_unsharded() -> dict:
             np.array_equal(sharded.info.participants, plain.info.participants)
         ),
     }
-    # A batch of 4 seeds sharded along its leading (seed) axis.
+    # shard="batch": 4 members (own data and step size) split along the member axis.
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
-    many_kw = dict(keys=keys, num_rounds=3, chunk_size=3, progress=False)
-    many_plain = training.run_many(lambda: toy(s=3), params, data, **many_kw)
-    many_sharded = training.run_many(lambda: toy(s=3), params, data, mesh=mesh, **many_kw)
+    datas = jax.tree.map(lambda *xs: jnp.stack(xs), *[make_data(seed=s, n=8) for s in range(4)])
+    members = dict(
+        keys=keys,
+        data_per_seed=True,
+        batch_kwargs={"eta": jnp.array([0.1, 0.2, 0.3, 0.4])},
+        eval_fn=eval_fn,
+        num_rounds=3,
+        chunk_size=3,
+        progress=False,
+    )
+    make = lambda eta: toy(eta=eta, s=3)
+    many_plain = training.run_many(make, params, datas, **members)
+    many_sharded = training.run_many(make, params, datas, mesh=mesh, **members)
     b = many_sharded.state.params["a"]
     out["seed_spec"] = list(b.sharding.spec)
-    out["max_seed_diff"] = float(
-        np.max(np.abs(np.asarray(b) - np.asarray(many_plain.state.params["a"])))
+    out["max_seed_diff"] = _max_diff(b, many_plain.state.params["a"])
+    out["max_seed_metric_diff"] = _max_diff(
+        many_sharded.metrics["loss"], many_plain.metrics["loss"]
     )
+    # shard="clients": 2 seeds x 2 grid points, each run's 8 clients split over 4 devices.
+    grid = dict(keys=keys[:2], hyper={"t": jnp.array([0.0, 0.5])}, eval_fn=eval_fn)
+    grid.update(num_rounds=3, chunk_size=3, progress=False)
+    make = lambda t: toy(t=t, s=3)
+    grid_plain = training.run_many(make, params, data, **grid)
+    grid_sharded = training.run_many(make, params, data, mesh=mesh, shard="clients", **grid)
+    c = grid_sharded.state.params["a"]
+    out["client_spec"] = [str(x) for x in c.sharding.spec]
+    out["max_client_diff"] = _max_diff(c, grid_plain.state.params["a"])
+    out["max_client_metric_diff"] = _max_diff(
+        grid_sharded.metrics["loss"], grid_plain.metrics["loss"]
+    )
+    out["same_grid_participants"] = bool(
+        np.array_equal(grid_sharded.info.participants, grid_plain.info.participants)
+    )
+    # Axes the mesh does not divide are refused before anything is traced.
+    errors = {}
+    for name, call in {
+        "batch": lambda: training.run_many(make, params, data, mesh=mesh, **grid),
+        "clients": lambda: training.run_many(
+            make, params, make_data(n=6), mesh=mesh, shard="clients", **grid
+        ),
+        "run": lambda: training.run(alg, params, make_data(n=6), mesh=mesh, **kw),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+    out["errors"] = errors
     return out
+
+
+def _max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
 def test_sharded_run_equals_unsharded_on_4_devices():
@@ -80,8 +125,15 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert out["param_devices"] == 4 and out["shard_rows"] == [2]
     assert out["same_participants"]
     assert out["max_param_diff"] < 1e-5 and out["max_metric_diff"] < 1e-4
-    assert out["seed_spec"] == ["clients"]
-    assert out["max_seed_diff"] < 1e-5
+    assert out["seed_spec"] == ["clients"]  # the member axis, on the mesh axis "clients"
+    assert out["max_seed_diff"] < 1e-5 and out["max_seed_metric_diff"] < 1e-4
+    assert out["client_spec"] == ["None", "None", "clients"]  # [S, G, n, ...]: n split
+    assert out["max_client_diff"] < 1e-5 and out["max_client_metric_diff"] < 1e-4
+    assert out["same_grid_participants"]
+    errors = out["errors"]
+    assert "cannot shard the batch axis [S] of length 2 over a mesh of 4" in errors["batch"]
+    assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["clients"]
+    assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["run"]
 
 
 def test_shard_leading_axis_replicates_what_does_not_divide():

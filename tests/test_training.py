@@ -8,6 +8,7 @@ tests do not depend on the real algorithms.
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,18 +17,32 @@ import pytest
 from karula_jax import training
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.data import from_client_arrays
+from karula_jax.training import checkpoint, loop, reports
 
-TRACES = {"round": 0, "eval": 0}
+
+@pytest.fixture(autouse=True)
+def _fresh_trace_counters():
+    chex.clear_trace_counter()
 
 
-def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None, unconverged=()):
+def traced_at_most(n):
+    """An identity function that fails once it has been traced more than ``n`` times.
+
+    Pass it as ``toy(traced=...)``: every trace of any toy round built with it counts, by
+    whatever path (``chex.assert_max_traces`` keys its counter on where it was created).
+    """
+    return chex.assert_max_traces(lambda x: x, n=n)
+
+
+def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None, unconverged=(), traced=None):
     """Per-client quadratic ``f_i(w) = 0.5 mean_j ||w - x_ij||^2`` (masked).
 
     Each round, ``s`` clients sampled without replacement take a noisy gradient step, then
     every model moves a fraction ``t`` towards the mean model. ``nan_at`` injects a NaN into
     the parameters at that round. The rounds in ``unconverged`` report an unconverged
     "projection" with gap ``proj_delta = 0.25 * (round + 1)``, the others a converged one
-    with gap ``1e-3``. ``eta`` and ``t`` may be traced.
+    with gap ``1e-3``. ``eta`` and ``t`` may be traced. ``traced`` (see
+    :func:`traced_at_most`) is applied to the state at the start of every round.
     """
 
     def loss_i(w, x, mask):
@@ -40,7 +55,8 @@ def toy(eta=0.3, t=0.5, *, s=2, noise=0.1, nan_at=None, unconverged=()):
         return FedState(stacked, (), (), (), key, jnp.zeros((), jnp.int32))
 
     def round_(state, data):
-        TRACES["round"] += 1
+        if traced is not None:
+            state = traced(state)
         n = data.num_clients
         rkey = jax.random.fold_in(state.key, state.round)
         pkey, nkey = jax.random.split(rkey)
@@ -98,7 +114,6 @@ ALG = toy()  # shared so that its compiled programs are reused across tests
 
 
 def eval_fn(client_params, data):
-    TRACES["eval"] += 1
     sq = 0.5 * jnp.sum(
         (data.x - client_params["a"][:, None] - client_params["b"][:, None, None]) ** 2, -1
     )
@@ -136,21 +151,20 @@ def test_run_matches_one_scan_and_records_history():
     assert res.timings["compile_s"] > 0 and res.timings["rounds_per_s"] > 0
 
 
-def test_single_trace_across_chunks_including_short_last_chunk():
-    alg = toy()
-    TRACES.update(round=0, eval=0)
+def test_single_trace_across_chunks_including_short_last_chunk(tmp_path):
+    # Chunks of 3, 3, 3 and a masked final 1: one trace of the round (shared by the chunk
+    # and the checkpoint fingerprint), one of the metrics.
     res = training.run(
-        alg,
+        toy(traced=traced_at_most(1)),
         PARAMS,
         DATA,
         key=jax.random.PRNGKey(0),
         num_rounds=10,
         chunk_size=3,
-        eval_fn=eval_fn,
+        eval_fn=chex.assert_max_traces(eval_fn, n=1),
+        checkpoint_dir=tmp_path,
         progress=False,
     )
-    # Chunks of 3, 3, 3 and a masked final 1: one trace of the round, one of the metrics.
-    assert TRACES == {"round": 1, "eval": 1}
     np.testing.assert_array_equal(res.metric_rounds, [0, 3, 6, 9, 10])
 
 
@@ -307,20 +321,22 @@ def test_nonfinite_round_raises_and_names_it(tmp_path):
     assert rec.nonfinite_round == 4 and rec.info.loss.shape == (9,)
 
 
-def test_progress_lines_on_stderr(capsys):
-    training.run(
-        ALG,
-        PARAMS,
-        DATA,
-        key=jax.random.PRNGKey(0),
-        num_rounds=4,
-        chunk_size=2,
-        eval_fn=eval_fn,
-        progress=True,
-    )
+def test_progress_bar_on_stderr(capsys):
+    kw = dict(key=jax.random.PRNGKey(0), num_rounds=4, chunk_size=2, eval_fn=eval_fn)
+    training.run(ALG, PARAMS, DATA, progress=True, **kw)
     err = capsys.readouterr().err
-    if "it/s" not in err and "round/s" not in err:  # plain fallback when tqdm is absent
-        assert "round 2/4" in err and "round 4/4" in err and "loss=" in err
+    assert "4/4" in err and "round/s" in err and "loss=" in err and "mean_b=" in err
+    training.run(ALG, PARAMS, DATA, progress=False, **kw)
+    assert capsys.readouterr().err == ""
+
+    for _ in training.progress_bar(range(3), desc="CV folds", unit="fold"):
+        pass
+    with training.progress_bar(2, desc="embedding") as bar:
+        bar.update(2)
+    err = capsys.readouterr().err
+    assert "CV folds" in err and "3/3" in err and "embedding" in err and "2/2" in err
+    assert list(training.progress_bar([1, 2], enabled=False)) == [1, 2]
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_input_gives_clear_errors(tmp_path):
@@ -395,19 +411,18 @@ def test_bad_input_gives_clear_errors(tmp_path):
 def test_vmapped_seeds_and_grid_equal_separate_runs():
     keys = jax.random.split(jax.random.PRNGKey(5), 3)
     hyper = {"t": jnp.array([0.0, 0.5]), "eta": jnp.array([0.3, 0.1])}
-    TRACES.update(round=0, eval=0)
+    counted = traced_at_most(1)  # one program for the 3 x 2 runs
     many = training.run_many(
-        lambda t, eta: toy(eta=eta, t=t),
+        lambda t, eta: toy(eta=eta, t=t, traced=counted),
         PARAMS,
         DATA,
         keys=keys,
         hyper=hyper,
         num_rounds=5,
         chunk_size=2,
-        eval_fn=eval_fn,
+        eval_fn=chex.assert_max_traces(eval_fn, n=1),
         progress=False,
     )
-    assert TRACES == {"round": 1, "eval": 1}  # one program for the 3 x 2 runs
     assert many.state.params["a"].shape == (3, 2, DATA.num_clients, 3)
     assert many.info.loss.shape == (5, 3, 2)
     assert many.metrics["loss"].shape == (4, 3, 2, DATA.num_clients)
@@ -437,45 +452,109 @@ def test_vmapped_seeds_and_grid_equal_separate_runs():
     np.testing.assert_array_equal(many.info.participants[:, :, 0], many.info.participants[:, :, 1])
 
 
-def test_vmapped_over_data_drawn_per_seed():
-    datas = [make_data(seed) for seed in (0, 1)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *datas)
-    keys = jax.random.split(jax.random.PRNGKey(9), 2)
-    many = training.run_many(
-        lambda: toy(),
-        PARAMS,
-        stacked,
+def stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def test_run_many_members_with_own_kwargs_params_and_data_then_resume(tmp_path):
+    """3 members (own data, initial model, step size) x a t grid of 2, as one program."""
+    datas = [make_data(seed) for seed in (0, 1, 2)]
+    params = {"a": jnp.arange(9.0).reshape(3, 3) / 9, "b": jnp.array([0.0, 1.0, -1.0])}
+    etas, ts = jnp.array([0.3, 0.2, 0.1]), jnp.array([0.0, 0.5])
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    kw = dict(
         keys=keys,
+        hyper={"t": ts},
         data_per_seed=True,
-        num_rounds=3,
-        chunk_size=3,
-        eval_fn=eval_fn,
+        params_per_seed=True,
+        batch_kwargs={"eta": etas},
+        chunk_size=2,
         progress=False,
     )
-    assert many.state.params["a"].shape == (2, DATA.num_clients, 3)
-    for s in range(2):
-        one = training.run(
-            ALG,
-            PARAMS,
-            datas[s],
-            key=keys[s],
-            num_rounds=3,
-            chunk_size=3,
-            eval_fn=eval_fn,
-            progress=False,
-        )
-        np.testing.assert_allclose(many.state.params["a"][s], one.state.params["a"], rtol=1e-5)
-        np.testing.assert_allclose(many.metrics["loss"][:, s], one.metrics["loss"], rtol=1e-5)
-    with pytest.raises(ValueError, match="leading axis of 3 seeds"):
+    counted = traced_at_most(1)
+    full = training.run_many(
+        lambda eta, t: toy(eta=eta, t=t, traced=counted),
+        params,
+        stack(datas),
+        num_rounds=5,
+        eval_fn=chex.assert_max_traces(eval_fn, n=1),  # the whole batch traces once
+        **kw,
+    )
+    assert full.state.params["a"].shape == (3, 2, DATA.num_clients, 3)
+    assert full.info.loss.shape == (5, 3, 2)
+    assert full.metrics["loss"].shape == (4, 3, 2, DATA.num_clients)
+
+    # Every member x grid point alone: one lax.scan with its own eta, t, params, data, key.
+    @jax.jit
+    def alone(eta, t, p, d, key):
+        alg = toy(eta=eta, t=t)
+        return training.scan_rounds(alg, alg.init(p, d, key=key), d, 5)
+
+    for s in range(3):
+        p_s = jax.tree.map(lambda x, s=s: x[s], params)
+        for g in range(2):
+            state, info = alone(etas[s], ts[g], p_s, datas[s], keys[s])
+            for x, y in zip(
+                jax.tree.leaves(state.params), jax.tree.leaves(full.state.params), strict=True
+            ):
+                np.testing.assert_allclose(y[s, g], x, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(info.participants, full.info.participants[:, s, g])
+            np.testing.assert_allclose(info.loss, full.info.loss[:, s, g], rtol=1e-5)
+            final = eval_fn(state.params, datas[s])["loss"]
+            np.testing.assert_allclose(full.metrics["loss"][-1, s, g], final, rtol=1e-5)
+
+    # Checkpointed after 4 rounds, resumed to 5: bit-identical to the uninterrupted batch.
+    make = lambda eta, t: toy(eta=eta, t=t)
+    ck = dict(params=params, data=stack(datas), eval_fn=eval_fn, checkpoint_dir=tmp_path, **kw)
+    training.run_many(make, num_rounds=4, **ck)
+    other = {**kw, "batch_kwargs": {"eta": etas.at[2].set(0.11)}}
+    with pytest.raises(ValueError, match=r"What differs: batch_kwargs \(sha256"):
+        training.run_many(make, num_rounds=5, resume=True, **{**ck, **other})
+    other = {**kw, "hyper": {"t": ts.at[1].set(0.4)}}  # traced grid values, same shapes
+    with pytest.raises(ValueError, match=r"What differs: algorithm or hyperparameters \("):
+        training.run_many(make, num_rounds=5, resume=True, **{**ck, **other})
+    resumed = training.run_many(make, num_rounds=5, resume=True, **ck)
+    leaves_equal(full.state, resumed.state)
+    leaves_equal(full.info, resumed.info)
+    for name in full.metrics:
+        np.testing.assert_array_equal(full.metrics[name], resumed.metrics[name])
+
+
+def test_run_many_rejects_bad_batch_arguments():
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    kw = dict(keys=keys, num_rounds=1, progress=False)
+    make = lambda eta=0.3, t=0.5: toy(eta=eta, t=t)
+    with pytest.raises(ValueError, match=r"batch_kwargs\['eta'\] must have a leading axis of 2"):
+        training.run_many(make, PARAMS, DATA, batch_kwargs={"eta": [0.1, 0.2, 0.3]}, **kw)
+    with pytest.raises(ValueError, match="both in batch_kwargs and in hyper"):
         training.run_many(
-            lambda: toy(),
+            make, PARAMS, DATA, batch_kwargs={"t": [0.1, 0.2]}, hyper={"t": [0.0]}, **kw
+        )
+    with pytest.raises(ValueError, match="params_per_seed=True needs every leaf"):
+        training.run_many(make, PARAMS, DATA, params_per_seed=True, **kw)
+    with pytest.raises(ValueError, match="leading axis of 2 seeds"):
+        training.run_many(make, PARAMS, stack([DATA] * 3), data_per_seed=True, **kw)
+    with pytest.raises(ValueError, match="shard must be one of"):
+        training.run_many(make, PARAMS, DATA, shard="seeds", **kw)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['key'\]"):
+        training.run_many(make, PARAMS, DATA, key=keys[0], **kw)
+
+
+def test_nonfinite_batch_member_is_named():
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    # eta = 30 makes member 1 overflow float32 within a few rounds, member 0 stays finite.
+    with pytest.raises(FloatingPointError, match=r"in batch members s \[1\]") as exc:
+        training.run_many(
+            lambda eta: toy(eta=eta, t=0.0, noise=1e3),
             PARAMS,
-            stacked,
-            keys=jax.random.split(keys[0], 3),
-            data_per_seed=True,
-            num_rounds=1,
+            DATA,
+            keys=keys,
+            batch_kwargs={"eta": jnp.array([0.3, 3e3])},
+            num_rounds=40,
+            chunk_size=40,
             progress=False,
         )
+    assert exc.value.result.info.finite[:, 0].all()
 
 
 def test_scan_rounds_vmaps_over_seeds_by_hand():
@@ -517,10 +596,10 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     d = np.asarray(jnp.sum((prob.theta_true[:, None] - prob.theta_true[None]) ** 2, -1))
     loss = ridge_loss(1e-3)
 
-    def make(t, learning_rate=0.5):
+    def make(t, learning_rate=0.5, D=d):
         return karula(
             loss,
-            d,
+            D,
             t=t,
             learning_rate=learning_rate,
             clients_per_round=2,
@@ -563,8 +642,16 @@ def test_real_karula_resume_and_t_grid(tmp_path):
     assert full.info.proj_converged.all() and full.diagnostics["unconverged_rounds"] == []
 
     keys = jax.random.split(key, 2)
+    # Each member its own (traced) D: member 1's is d, the constant of ``alg``.
     many = training.run_many(
-        make, params, prob.train, keys=keys, hyper={"t": [0.3, 0.0]}, num_rounds=4, **kw
+        make,
+        params,
+        prob.train,
+        keys=keys,
+        hyper={"t": [0.3, 0.0]},
+        batch_kwargs={"D": np.stack([2 * d, d])},
+        num_rounds=4,
+        **kw,
     )
     one = training.run(alg, params, prob.train, key=keys[1], num_rounds=4, **kw)
     np.testing.assert_allclose(many.state.params[1, 0], one.state.params, rtol=1e-4, atol=1e-5)
@@ -646,7 +733,7 @@ def test_round_diagnostics_of_batched_and_long_histories():
     with pytest.warns(
         training.ProjectionNotConvergedWarning, match=r"\(0-based: 3, 7, .*, 13, \.\.\.\)"
     ):
-        training._warn_unconverged(diag)
+        reports.warn_unconverged(diag)
     assert training.round_diagnostics(None)["unconverged_rounds"] == []
 
 
@@ -703,14 +790,14 @@ def test_resume_refuses_another_run_and_names_what_differs(tmp_path):
     def refused(what, **kw):
         return pytest.raises(ValueError, match=rf"checkpoint {path} .*What differs: .*{what}")
 
-    TRACES.update(round=0)
+    chunks = loop._jitted_chunk.cache_info().misses
     with refused(r"algorithm or hyperparameters"):
         _resume(toy(eta=0.31), tmp_path)  # a Python float: a literal of the program
     with refused(r"algorithm or hyperparameters"):
         _resume(toy(t=jnp.float32(0.6)), tmp_path)  # an array: a constant of the program
     with refused(r"algorithm or hyperparameters"):
         _resume(toy(s=3), tmp_path)
-    assert TRACES["round"] == 3  # refused after tracing, before compiling anything
+    assert loop._jitted_chunk.cache_info().misses == chunks  # refused before any chunk
     other = DATA._replace(x=DATA.x.at[0, 0, 0].add(1e-3))  # same shapes and counts
     with refused(r"data content"):
         _resume(ALG, tmp_path, data=other)
@@ -725,22 +812,6 @@ def test_resume_refuses_another_run_and_names_what_differs(tmp_path):
     # The same run (a new but identical algorithm object) is accepted.
     res = _resume(toy(), tmp_path)
     assert res.info.loss.shape == (4,)
-
-
-def test_resume_refuses_other_grid_values(tmp_path):
-    keys = jax.random.split(jax.random.PRNGKey(5), 2)
-    kw = dict(keys=keys, chunk_size=2, checkpoint_dir=tmp_path, progress=False)
-
-    def make(t, eta):
-        return toy(eta=eta, t=t)
-
-    grid = training.product_grid(t=[0.0, 0.5], eta=[0.3])
-    training.run_many(make, PARAMS, DATA, hyper=grid, num_rounds=2, **kw)
-    other = training.product_grid(t=[0.0, 0.4], eta=[0.3])  # traced values, same shapes
-    with pytest.raises(ValueError, match="algorithm or hyperparameters"):
-        training.run_many(make, PARAMS, DATA, hyper=other, num_rounds=4, resume=True, **kw)
-    res = training.run_many(make, PARAMS, DATA, hyper=grid, num_rounds=4, resume=True, **kw)
-    assert res.info.loss.shape == (4, 2, 2)
 
 
 # --------------------------------------------------------------------------- bad checkpoint files
@@ -795,7 +866,7 @@ BAD_FILES = {
         {**arrays, "meta": np.array("[1, 2]")}, tmp
     ),
     "meta missing fields": lambda good, arrays, tmp: _npz_bytes(
-        {**arrays, "meta": np.array(json.dumps({"format": training._FORMAT}))}, tmp
+        {**arrays, "meta": np.array(json.dumps({"format": checkpoint._FORMAT}))}, tmp
     ),
     "missing state array": lambda good, arrays, tmp: _npz_bytes(
         {k: v for k, v in arrays.items() if k != "state_0001"}, tmp
@@ -852,10 +923,9 @@ def test_checkpoint_with_other_round_info_fields_is_refused(tmp_path, valid_chec
 
 
 def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, monkeypatch):
-    alg = toy()
+    alg = toy(traced=traced_at_most(0))  # nothing may be traced, let alone compiled
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    TRACES.update(round=0)
     for where in (blocker / "sub", blocker):
         with pytest.raises(OSError, match=rf"checkpoint_dir '{where}' cannot be created"):
             training.run(
@@ -866,7 +936,7 @@ def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, monkeypatch)
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(training.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", refuse)
     with pytest.raises(PermissionError, match=r"checkpoint_dir .*read_only.* cannot be"):
         training.run(
             alg,
@@ -876,11 +946,10 @@ def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, monkeypatch)
             num_rounds=2,
             checkpoint_dir=tmp_path / "read_only",
         )
-    assert TRACES["round"] == 0  # nothing was traced, let alone compiled
 
 
 def test_run_removes_temporary_files_left_by_a_kill(tmp_path):
-    stale = tmp_path / f"{training._TMP_PREFIX}abc123.npz"
+    stale = tmp_path / f"{checkpoint._TMP_PREFIX}abc123.npz"
     stale.write_bytes(b"half a checkpoint")
     unrelated = [tmp_path / "notes.txt", tmp_path / ".tmp-someone-else.npz"]
     for f in unrelated:
@@ -909,7 +978,7 @@ def savez_then_die(f, **arrays):
     f.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
-training.np.savez = savez_then_die
+training.checkpoint.np.savez = savez_then_die
 training.save_checkpoint(sys.argv[1], {"a": np.ones(3)}, rounds_done=2)
 """
 
@@ -928,7 +997,7 @@ def test_checkpoint_survives_a_kill_mid_write_and_run_cleans_up(tmp_path):
         timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
-    leftovers = [f for f in os.listdir(tmp_path) if f.startswith(training._TMP_PREFIX)]
+    leftovers = [f for f in os.listdir(tmp_path) if f.startswith(checkpoint._TMP_PREFIX)]
     assert len(leftovers) == 1
     state, _, meta = training.load_checkpoint(path, {"a": np.zeros(3)})  # the old one, intact
     assert meta["rounds_done"] == 1 and not np.asarray(state["a"]).any()

@@ -1,0 +1,439 @@
+"""The batched runner: data sets x seeds x hyperparameter grids as one compiled program.
+
+:func:`run_many` runs a whole batch of independent runs through the loop of
+:func:`~karula_jax.training.run` (chunks of ``lax.scan``, progress bar, metrics,
+checkpoints and bit-identical resume, non-finite reports): every run is ``jax.vmap``-ed
+into the one chunk program. The batch has two kinds of axes:
+
+* the **batch members** ``[S]``: whatever differs between runs as data (CV folds, data
+  draws, client subsets, seeds), each member with its own key, optionally its own data
+  (``data_per_seed``), initial model (``params_per_seed``) and factory arguments
+  (``batch_kwargs``, e.g. its own dissimilarity matrix);
+* the **grid** ``[G]`` (``hyper``): hyperparameter values crossed with every member,
+  traced, so the grid costs no recompilation.
+
+:func:`vmap_algorithm` is the same batch as an :class:`~karula_jax.algorithms.base.Algorithm`
+(e.g. to call ``client_params`` on a batched final state); :func:`product_grid` builds
+grids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from karula_jax.algorithms.base import Algorithm
+from karula_jax.training import checkpoint as ckpt
+from karula_jax.training.loop import EvalFn, RunResult, run_chunks
+from karula_jax.training.reports import warn_unconverged
+from karula_jax.training.sharding import (
+    Placement,
+    check_divisible,
+    leading_size,
+    split_axis,
+)
+
+__all__ = ["product_grid", "run_many", "vmap_algorithm"]
+
+SHARD_AXES = ("batch", "clients")
+
+# Options of the chunk loop that run_many passes through, with run's defaults.
+_RUN_OPTIONS = {
+    "chunk_size": 50,
+    "eval_every_chunk": True,
+    "checkpoint_dir": None,
+    "resume": False,
+    "on_nonfinite": "raise",
+    "progress": True,
+}
+
+
+def product_grid(**axes) -> dict[str, np.ndarray]:
+    """Cartesian product of hyperparameter values, flattened to one grid axis ``[G]``.
+
+    ``product_grid(t=[0, 1], eta=[0.1, 0.2, 0.3])`` gives ``t`` and ``eta`` of length 6,
+    ``t`` varying slowest (``np.meshgrid(..., indexing="ij")`` order).
+    """
+    if not axes:
+        raise ValueError("product_grid needs at least one hyperparameter")
+    values = [np.asarray(v) for v in axes.values()]
+    for name, v in zip(axes, values, strict=True):
+        if v.ndim != 1 or v.size == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {v.shape}")
+    mesh = np.meshgrid(*values, indexing="ij")
+    return {name: m.reshape(-1) for name, m in zip(axes, mesh, strict=True)}
+
+
+def _check_hyper(hyper: Mapping[str, Any] | None) -> tuple[dict[str, jnp.ndarray], int | None]:
+    if hyper is None:
+        return {}, None
+    if not isinstance(hyper, Mapping) or not hyper:
+        raise TypeError("hyper must be a non-empty dict name -> 1-D array of grid values")
+    out, sizes = {}, set()
+    for name, v in hyper.items():
+        a = np.asarray(v)
+        if a.ndim != 1 or a.size == 0:
+            raise ValueError(f"hyper[{name!r}] must be a non-empty 1-D array, got shape {a.shape}")
+        sizes.add(a.size)
+        out[name] = jnp.asarray(a)
+    if len(sizes) != 1:
+        raise ValueError(f"all hyper arrays must have the same length, got lengths {sorted(sizes)}")
+    return out, sizes.pop()
+
+
+def _check_batch_kwargs(
+    batch_kwargs: Mapping[str, Any] | None, hyper: Mapping[str, Any], num_members: int | None
+) -> dict[str, Any]:
+    """``batch_kwargs`` as jax arrays; every leaf must lead with ``num_members`` if given."""
+    if batch_kwargs is None:
+        return {}
+    if not isinstance(batch_kwargs, Mapping):
+        raise TypeError(
+            f"batch_kwargs must be a dict name -> array [S, ...], got {type(batch_kwargs).__name__}"
+        )
+    out = {}
+    for name, value in batch_kwargs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"batch_kwargs keys must be argument names, got {name!r}")
+        if name in hyper:
+            raise ValueError(f"{name!r} is both in batch_kwargs and in hyper; pass it once")
+        value = jax.tree.map(jnp.asarray, value)
+        leaves = jax.tree.leaves(value)
+        if not leaves:
+            raise ValueError(f"batch_kwargs[{name!r}] holds no arrays")
+        for leaf in leaves:
+            if leaf.ndim == 0 or (num_members is not None and leaf.shape[0] != num_members):
+                raise ValueError(
+                    f"batch_kwargs[{name!r}] must have a leading axis of {num_members} batch "
+                    f"members (one value per member), got shape {leaf.shape}"
+                )
+        out[name] = value
+    return out
+
+
+def _members(
+    make_algorithm: Callable[..., Algorithm],
+    hyper: dict[str, jnp.ndarray],
+    grid: int | None,
+    *,
+    data_per_seed: bool,
+    params_per_seed: bool,
+) -> Algorithm:
+    """The batch as an Algorithm whose data argument is ``(data, batch_kwargs)``."""
+    d_axis = 0 if data_per_seed else None
+    p_axis = 0 if params_per_seed else None
+
+    def batched(method):
+        """``method(alg, state, data)`` vmapped over the grid (inner) and members (outer)."""
+
+        def per_member(state_s, data_s, kw_s):
+            if grid is None:
+                return method(make_algorithm(**kw_s), state_s, data_s)
+            return jax.vmap(lambda h, st: method(make_algorithm(**kw_s, **h), st, data_s))(
+                hyper, state_s
+            )
+
+        def apply(state, data_kw):
+            data, kw = data_kw
+            return jax.vmap(per_member, in_axes=(0, d_axis, 0))(state, data, kw)
+
+        return apply
+
+    def init(params, data_kw, *, key):
+        # The key is batched over members only: every grid point of a member shares it.
+        def per_member(key_s, params_s, data_s, kw_s):
+            if grid is None:
+                return make_algorithm(**kw_s).init(params_s, data_s, key=key_s)
+            return jax.vmap(
+                lambda h: make_algorithm(**kw_s, **h).init(params_s, data_s, key=key_s)
+            )(hyper)
+
+        data, kw = data_kw
+        return jax.vmap(per_member, in_axes=(0, p_axis, d_axis, 0))(key, params, data, kw)
+
+    round_ = batched(lambda alg, st, d: alg.round(st, d))
+    client_params = batched(lambda alg, st, d: alg.client_params(st, d))
+    return Algorithm(init=init, round=round_, client_params=client_params)
+
+
+def vmap_algorithm(
+    make_algorithm: Callable[..., Algorithm],
+    hyper: Mapping[str, Any] | None = None,
+    *,
+    data_per_seed: bool = False,
+    params_per_seed: bool = False,
+    batch_kwargs: Mapping[str, Any] | None = None,
+) -> Algorithm:
+    """A batch of runs (members x grid points) as one :class:`Algorithm`.
+
+    ``make_algorithm(**kw, **h)`` is called *inside* ``jax.vmap`` with ``kw`` one member's
+    slice of ``batch_kwargs`` and ``h`` one value of every ``hyper`` array, all traced, so
+    arguments that enter only arithmetic (t, step sizes, penalties, a dissimilarity
+    matrix, a smoothness constant) can vary; structural ones (number of participants,
+    batch size, local steps, number of clusters) must be closed over instead.
+
+    The returned algorithm's state has leading axes ``[S, G, ...]`` (``[S, ...]`` without
+    ``hyper``): ``init(params, data, key=keys)`` takes stacked keys ``[S]`` and every grid
+    point of member ``s`` starts from ``keys[s]`` (common random numbers, so grid points
+    are compared on the same participation draws and minibatches). ``client_params``
+    returns leaves ``[S, G, n, ...]`` and RoundInfo leaves are ``[S, G, ...]``.
+
+    Args:
+      make_algorithm: factory ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``.
+      hyper: dict name -> array ``[G]`` of grid values (see :func:`product_grid`).
+      data_per_seed: if True, ``data`` carries a leading member axis ``[S, ...]``;
+        otherwise all runs share ``data``.
+      params_per_seed: if True, ``init``'s ``params`` carry a leading member axis.
+      batch_kwargs: dict name -> array ``[S, ...]`` of per-member factory arguments
+        (closed over by the returned functions; :func:`run_many` passes them as
+        arguments of the compiled program instead).
+
+    Returns:
+      The batched :class:`Algorithm`.
+    """
+    hyper, grid = _check_hyper(hyper)
+    kw = _check_batch_kwargs(batch_kwargs, hyper, None)
+    inner = _members(
+        make_algorithm, hyper, grid, data_per_seed=data_per_seed, params_per_seed=params_per_seed
+    )
+    return Algorithm(
+        init=lambda params, data, *, key: inner.init(params, (data, kw), key=key),
+        round=lambda state, data: inner.round(state, (data, kw)),
+        client_params=lambda state, data: inner.client_params(state, (data, kw)),
+    )
+
+
+def _check_members(what: str, tree: Any, num_members: int) -> None:
+    lead = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(tree)}
+    if lead != {num_members}:
+        raise ValueError(
+            f"{what}=True needs every leaf to have a leading axis of {num_members} seeds "
+            f"(batch members), got leading sizes {sorted(lead, key=str)}"
+        )
+
+
+def _placement(
+    mesh: Mesh,
+    shard: str,
+    *,
+    num_members: int,
+    grid: int | None,
+    data: Any,
+    data_per_seed: bool,
+    eval_data_per_seed: bool,
+) -> Placement:
+    """Split the batch axis or every run's client axis over ``mesh``."""
+    if shard == "batch":
+        check_divisible("the batch axis [S]", num_members, mesh)
+        axis = lambda per_member: 0 if per_member else None
+        length = num_members
+        data_axis, kw_axis, state_axis = axis(data_per_seed), 0, 0
+        eval_axis = axis(eval_data_per_seed)
+    else:
+        data_axis = 1 if data_per_seed else 0
+        length = leading_size(data, axis=data_axis, what="the client axis of the data")
+        check_divisible("the client axis", length, mesh)
+        kw_axis, state_axis = 1, 1 if grid is None else 2
+        eval_axis = 1 if eval_data_per_seed else 0
+    at = lambda axis: lambda tree: split_axis(tree, mesh, axis=axis, length=length)
+    return Placement(
+        data=lambda data_kw: (at(data_axis)(data_kw[0]), at(kw_axis)(data_kw[1])),
+        eval_data=at(eval_axis),
+        state=at(state_axis),
+    )
+
+
+def run_many(
+    make_algorithm: Callable[..., Algorithm],
+    params: Any,
+    data: Any,
+    *,
+    keys: jax.Array,
+    num_rounds: int,
+    hyper: Mapping[str, Any] | None = None,
+    data_per_seed: bool = False,
+    params_per_seed: bool = False,
+    batch_kwargs: Mapping[str, Any] | None = None,
+    eval_fn: EvalFn | None = None,
+    eval_data: Any = None,
+    eval_data_per_seed: bool = False,
+    mesh: Mesh | None = None,
+    shard: str = "batch",
+    **run_kwargs,
+) -> RunResult:
+    """Batch members x a hyperparameter grid as one compiled program per chunk.
+
+    Equivalent to running, for every batch member ``s`` and grid point ``g``::
+
+        run(make_algorithm(**batch_kwargs[s], **hyper[g]), params[s], data[s],
+            key=keys[s], eval_data=eval_data[s], ...)
+
+    (``[s]`` only where the member axis is asked for), but all of them are ``jax.vmap``-ed
+    into the chunk program of :func:`run`, so the whole batch compiles once and shares
+    its progress bar, metrics, checkpoints and bit-identical resume. Results equal the
+    separate runs up to float rounding of batched kernels.
+
+    **Batch layout.** The caller flattens everything that differs between runs as data
+    into the leading *member* axis ``[S]``: e.g. CV folds x seeds is ``S = folds * seeds``
+    members, each with its own key, and its own data, initial model and factory
+    arguments where ``data_per_seed``/``params_per_seed``/``batch_kwargs`` say so. The
+    grid ``hyper`` (``[G]`` values per name) is crossed on top of every member. State
+    leaves come back as ``[S, G, ...]``, info leaves as ``[num_rounds, S, G, ...]``,
+    metrics as ``[num_evals, S, G, ...]``; without ``hyper`` there is no ``G`` axis.
+    Every grid point of a member uses the member's key (common random numbers).
+
+    Example: 5 CV folds x 3 seeds x a grid of 4 values of t (Karula with each fold's own
+    dissimilarity matrix and smoothness constant)::
+
+        folds, seeds, ts = 5, 3, np.array([0.0, 1.0, 4.0, 16.0])
+        member = [(f, s) for f in range(folds) for s in range(seeds)]  # b = f * seeds + s
+        stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
+        res = run_many(
+            lambda D, L, t: karula(loss, D, t=t, learning_rate=0.5 / L, clients_per_round=10),
+            params,
+            stack([train[f] for f, s in member]),  # ClientData leaves [15, n, N, ...]
+            keys=jnp.stack([jax.random.key(s) for f, s in member]),  # [15]
+            num_rounds=500,
+            data_per_seed=True,
+            batch_kwargs={"D": np.stack([D[f] for f, s in member]),  # [15, n, n]
+                          "L": np.array([L[f] for f, s in member])},  # [15]
+            hyper={"t": ts},  # [4]
+            eval_fn=metrics,
+            eval_data=stack([valid[f] for f, s in member]),
+            eval_data_per_seed=True,
+        )
+        mse = res.metrics["mse"][-1].reshape(folds, seeds, len(ts), n)  # the last evaluation
+        best_t = ts[mse.mean(axis=(0, 3)).argmin(axis=1)]  # per seed, pooled over folds
+
+    **Memory.** All ``S * G`` runs live on the device at once: their states (models,
+    gradient memories, projection warm starts), one round's intermediates of each (the
+    selected clients' gradients), the data (``S`` copies with ``data_per_seed``, else
+    one shared copy; ``batch_kwargs`` and ``params_per_seed`` likewise ``S`` copies) and
+    one chunk of round info (``[chunk_size, S, G, ...]``; ``participants`` holds ``n``
+    booleans per run and round). Budget about ``S * G`` times the memory of one
+    :func:`run` plus the stacked data. If that does not fit, split the members (or the
+    grid) over several ``run_many`` calls: runs are independent, so the results are the
+    same (each call compiles once), or shard the member axis over devices (``mesh``,
+    ``shard="batch"``). The histories (info, metrics) are kept on the host; pass
+    ``eval_every_chunk=False`` when per-client metrics of a large batch are only needed
+    at the end.
+
+    Args:
+      make_algorithm: ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``,
+        called inside ``jax.vmap`` with traced values (see :func:`vmap_algorithm` for
+        which arguments may vary).
+      params: one model every client of every run starts from, or stacked ``[S, ...]``
+        if ``params_per_seed``.
+      data: shared ``ClientData``, or stacked ``[S, ...]`` if ``data_per_seed`` (pad the
+        members to common shapes: clients and rows with zero counts).
+      keys: stacked keys ``[S]`` (e.g. ``jax.random.split(key, S)``); ``S`` is the
+        number of batch members.
+      num_rounds: rounds per run.
+      hyper: dict name -> ``[G]`` values (see :func:`product_grid`), or None.
+      data_per_seed: ``data`` has a leading member axis ``[S]``.
+      params_per_seed: ``params`` has a leading member axis ``[S]`` (e.g. a different
+        model initialization per seed).
+      batch_kwargs: dict name -> array ``[S, ...]`` (or a pytree of such arrays): factory
+        arguments that go with each member (its dissimilarity matrix, its smoothness
+        constant...). They enter the compiled program as traced arguments and the
+        checkpoint fingerprints, so a resume with other values is refused.
+      eval_fn: per-run ``eval_fn(client_params, eval_data) -> dict``; it is vmapped, so
+        metric arrays come back as ``[num_evals, S, G, ...]``.
+      eval_data: per-run evaluation data (default ``data``).
+      eval_data_per_seed: ``eval_data`` has a leading member axis. Ignored when
+        ``eval_data`` is None (then it follows ``data_per_seed``).
+      mesh: a 1-D device mesh (:func:`client_mesh`) to spread the batch over.
+      shard: with ``mesh``, which axis is split over its devices: ``"batch"`` the member
+        axis ``[S]`` (independent runs, no communication; ``S`` must be a multiple of
+        the mesh size) or ``"clients"`` the client axis of every run (the leaf axis
+        after the batch axes; the number of clients must be a multiple of the mesh
+        size; cross-client steps communicate). Other leaves are replicated.
+      **run_kwargs: options of :func:`run`: ``chunk_size``, ``eval_every_chunk``,
+        ``checkpoint_dir``, ``resume``, ``on_nonfinite``, ``progress``.
+
+    Returns:
+      A :class:`RunResult` whose state leaves are ``[S, G, ...]``, info leaves
+      ``[num_rounds, S, G, ...]`` and metrics ``[num_evals, S, G, ...]`` (no ``G`` axis
+      without ``hyper``); ``nonfinite_round`` and ``diagnostics`` cover every member.
+
+    Raises:
+      ValueError: a member axis that is not ``S`` long, a name both in ``batch_kwargs``
+        and ``hyper``, an unknown ``shard``, a sharded axis the mesh size does not
+        divide, and everything :func:`run` raises.
+      TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
+    """
+    unknown = sorted(set(run_kwargs) - set(_RUN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"run_many got unexpected keyword arguments {unknown}; the options it passes "
+            f"to the chunk loop are {sorted(_RUN_OPTIONS)}"
+        )
+    options = {**_RUN_OPTIONS, **run_kwargs}
+    if shard not in SHARD_AXES:
+        raise ValueError(f"shard must be one of {SHARD_AXES}, got {shard!r}")
+    keys = keys if ckpt._is_key(keys) else jnp.asarray(keys)
+    key_batch_ndim = 1 if ckpt._is_key(keys) else 2
+    if keys.ndim != key_batch_ndim:
+        raise ValueError(
+            f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"
+        )
+    num_members = keys.shape[0]
+    if data_per_seed:
+        _check_members("data_per_seed", data, num_members)
+    if params_per_seed:
+        _check_members("params_per_seed", params, num_members)
+    hyper_arrays, grid = _check_hyper(hyper)
+    kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
+    algorithm = _members(
+        make_algorithm,
+        hyper_arrays,
+        grid,
+        data_per_seed=data_per_seed,
+        params_per_seed=params_per_seed,
+    )
+
+    batched_eval = None
+    if eval_fn is not None:
+        if eval_data is None:
+            eval_data = data
+            eval_data_per_seed = data_per_seed
+        elif eval_data_per_seed:
+            _check_members("eval_data_per_seed", eval_data, num_members)
+        e_axis = 0 if eval_data_per_seed else None
+        per_grid = eval_fn if grid is None else jax.vmap(eval_fn, in_axes=(0, None))
+        batched_eval = jax.vmap(per_grid, in_axes=(0, e_axis))
+
+    placement = None
+    if mesh is not None:
+        placement = _placement(
+            mesh,
+            shard,
+            num_members=num_members,
+            grid=grid,
+            data=data,
+            data_per_seed=data_per_seed,
+            eval_data_per_seed=eval_data_per_seed,
+        )
+    out = run_chunks(
+        algorithm,
+        params,
+        (data, kw),
+        key=keys,
+        num_rounds=num_rounds,
+        eval_fn=batched_eval,
+        eval_data=eval_data,
+        placement=placement,
+        desc=f"{num_members} runs" if grid is None else f"{num_members}x{grid} runs",
+        fingerprints=lambda: {
+            "data": ckpt.content_hash(data),
+            "batch_kwargs": ckpt.content_hash(kw) if kw else None,
+        },
+        **options,
+    )
+    warn_unconverged(out.diagnostics, stacklevel=2)
+    return out

@@ -1,0 +1,97 @@
+"""Progress bars (tqdm on stderr) for training runs and the other long steps of an experiment.
+
+:func:`~karula_jax.training.run` and :func:`~karula_jax.training.run_many` draw one bar of
+rounds (updated after every compiled chunk, with the last round's loss and the latest
+metrics); :func:`progress_bar` is the same kind of bar for anything else an experiment
+loops over (embedding one data set after another, CV folds, methods).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from tqdm import tqdm
+
+from karula_jax.algorithms.base import RoundInfo
+
+__all__ = ["progress_bar"]
+
+
+def progress_bar(
+    iterable_or_total: Iterable | int,
+    *,
+    desc: str | None = None,
+    unit: str = "it",
+    enabled: bool = True,
+    initial: int = 0,
+    leave: bool = True,
+) -> tqdm:
+    """A tqdm progress bar on stderr over an iterable or a number of steps.
+
+    Args:
+      iterable_or_total: what to iterate over (its ``len`` is the total when it has one),
+        or an int number of steps to advance by hand with ``bar.update(k)``.
+      desc: label in front of the bar (e.g. ``"embedding"``, ``"CV folds"``).
+      unit: name of one step (``"round"``, ``"data set"``...).
+      enabled: ``False`` returns a silent bar (iterating and ``update`` still work), so a
+        ``progress=False`` flag can be passed straight through.
+      initial: steps already done (e.g. the rounds of a resumed run).
+      leave: keep the finished bar on screen.
+
+    Returns:
+      A ``tqdm`` object: iterate over it, or call ``update``/``set_postfix_str`` and
+      ``close`` (it is also a context manager).
+
+    Example::
+
+        for name in progress_bar(datasets, desc="embedding", unit="data set"):
+            D[name] = embedding.dissimilarities(datasets[name], key=key)
+
+        with progress_bar(num_folds * num_seeds, desc="CV") as bar:
+            for ...:
+                ...
+                bar.update(1)
+    """
+    if isinstance(iterable_or_total, bool):
+        raise TypeError("iterable_or_total must be an iterable or an int, got a bool")
+    if isinstance(iterable_or_total, int | np.integer):
+        if iterable_or_total < 0:
+            raise ValueError(f"the total must be >= 0, got {iterable_or_total}")
+        iterable, total = None, int(iterable_or_total)
+    else:
+        iterable, total = iterable_or_total, None
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        initial=initial,
+        disable=not enabled,
+        leave=leave,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+
+
+class RoundBar:
+    """The bar of a run: rounds done, updated after every chunk (private)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str | None = None):
+        self.bar = progress_bar(total, desc=desc, unit="round", enabled=enabled, initial=initial)
+
+    def update(self, step: int, values: Mapping[str, float]) -> None:
+        self.bar.set_postfix_str(" ".join(f"{k}={v:.4g}" for k, v in values.items()), False)
+        self.bar.update(step)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def scalar_summary(info_last: RoundInfo, metrics: Mapping[str, np.ndarray]) -> dict:
+    """What the bar shows: the mean loss of the last round and the mean of every metric."""
+    out = {"loss": float(np.mean(info_last.loss))}
+    for name, value in metrics.items():
+        out[name] = float(np.mean(value))  # per-client (and per-run) metrics: their mean
+    return out

@@ -1,0 +1,133 @@
+"""Placing runs on a device mesh (DESIGN §8): the client axis or the batch axis.
+
+Two axes can be split over the devices of a 1-D mesh:
+
+* the **client axis** ``[n]`` of a run (the leading axis of ``FedState.params``/``memory``
+  and of ``ClientData``): clients are spread over devices and XLA inserts the collectives
+  that cross-client steps (averaging, the projection) need;
+* the **batch axis** ``[S]`` of :func:`~karula_jax.training.run_many` (data sets x seeds):
+  independent runs, so no communication at all.
+
+Sharding never changes what is computed, only where (results equal the unsharded run up to
+float rounding of reductions split across devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["client_mesh", "shard_leading_axis"]
+
+
+def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
+    """A 1-D device mesh for the client or batch axis (DESIGN §8).
+
+    Args:
+      devices: devices to use; all of ``jax.devices()`` by default.
+      axis_name: name of the mesh axis.
+
+    Returns:
+      A :class:`jax.sharding.Mesh` with one axis of length ``len(devices)``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must be a non-empty sequence of jax devices")
+    return Mesh(np.array(devices), (axis_name,))
+
+
+def _mesh_axis(mesh: Mesh) -> tuple[str, int]:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"mesh must be 1-D, got axes {mesh.axis_names}")
+    return mesh.axis_names[0], int(mesh.devices.size)
+
+
+def shard_leading_axis(tree: Any, mesh: Mesh) -> Any:
+    """Places every leaf of ``tree`` on ``mesh``, split along its leading axis.
+
+    A leaf whose leading dimension is divisible by the mesh size is split in equal blocks
+    (``NamedSharding(mesh, P(axis))``); scalars and other leaves are replicated.
+
+    Args:
+      tree: pytree of arrays.
+      mesh: 1-D mesh, e.g. from :func:`client_mesh`.
+
+    Returns:
+      The tree with leaves as sharded ``jax.Array``s.
+    """
+    axis, size = _mesh_axis(mesh)
+    split = NamedSharding(mesh, PartitionSpec(axis))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        shape = np.shape(x)
+        target = split if len(shape) >= 1 and shape[0] % size == 0 else replicated
+        return jax.device_put(x, target)
+
+    return jax.tree.map(place, tree)
+
+
+def split_axis(tree: Any, mesh: Mesh, *, axis: int | None, length: int) -> Any:
+    """Splits the leaves whose dimension ``axis`` has size ``length``; replicates the rest.
+
+    ``axis=None`` replicates every leaf.
+    """
+    name, _ = _mesh_axis(mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        shape = np.shape(x)
+        if axis is not None and len(shape) > axis and shape[axis] == length:
+            return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*[None] * axis, name)))
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(place, tree)
+
+
+def check_divisible(what: str, length: int, mesh: Mesh) -> None:
+    """ValueError unless ``length`` (of the axis to shard) is a multiple of the mesh size."""
+    _, size = _mesh_axis(mesh)
+    if length % size:
+        raise ValueError(
+            f"cannot shard {what} of length {length} over a mesh of {size} devices: the "
+            f"length must be a multiple of {size} (pad it, or use a mesh of "
+            f"{[d for d in range(1, size + 1) if length % d == 0][-1]} devices)"
+        )
+
+
+def leading_size(tree: Any, *, axis: int, what: str) -> int:
+    """The common size of dimension ``axis`` of every leaf (ValueError if they differ)."""
+    sizes = {np.shape(x)[axis] for x in jax.tree.leaves(tree) if np.ndim(x) > axis}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot tell the length of {what}: the leaves have sizes {sorted(sizes)} "
+            f"along axis {axis}"
+        )
+    return sizes.pop()
+
+
+class Placement(NamedTuple):
+    """Where the driver puts a run's arrays on a mesh (private).
+
+    Each field maps a pytree to the same pytree placed on the mesh: ``data`` the training
+    data (as passed to the algorithm), ``eval_data`` the second argument of ``eval_fn``,
+    ``state`` the algorithm's state (after ``init`` or a checkpoint load).
+    """
+
+    data: Callable[[Any], Any]
+    eval_data: Callable[[Any], Any]
+    state: Callable[[Any], Any]
+
+
+def client_placement(mesh: Mesh, data: Any) -> Placement:
+    """One run's clients split over ``mesh``: the leading axis of state and data."""
+    n = leading_size(data, axis=0, what="the client axis (leading axis of the data)")
+    check_divisible("the client axis", n, mesh)
+    place = lambda tree: split_axis(tree, mesh, axis=0, length=n)
+    return Placement(place, place, place)
