@@ -33,6 +33,7 @@ from karula_jax.algorithms import (
     radii_squared,
     variance_reduced_direction,
 )
+from karula_jax.data import synthetic_ridge
 
 FULL = 64  # >= N_max: exact gradients
 ROUNDS = 1000
@@ -288,3 +289,22 @@ def test_radii_convention_zero_times_inf_is_zero():
     np.testing.assert_array_equal(r == np.inf, np.asarray(D) > 0)
     np.testing.assert_array_equal(r[np.asarray(D) == 0], 0.0)
     np.testing.assert_allclose(radii_squared(1.5, D)[0, 2], 3.0)
+
+
+@pytest.mark.parametrize("n", [7, 8, 9, 13])
+def test_odd_and_even_n_reach_cvxpy_optimum_with_partial_participation(n):
+    """s < n on odd n: the cyclic projection once stalled there (issue 11)."""
+    ds = synthetic_ridge(n, num_clients=n, dim=DIM, min_samples=5, max_samples=12, num_test=5)
+    data = ds.train
+    th_true = np.asarray(ds.theta_true, np.float64)
+    D = ((th_true[:, None] - th_true[None]) ** 2).sum(-1)
+    t = 0.5
+    ref = _cvxpy_reference(data, D, t)
+    A, b = quadratics(data)
+    own = np.linalg.solve(A, b[..., None])[..., 0]
+    assert np.linalg.norm(own - ref) > 0.1 * np.linalg.norm(ref)  # constraints bind
+    state, infos, _ = run_karula(D, t, 0.5 * _eta(data), jax.random.key(n), data, s=3)
+    theta = np.asarray(state.params, np.float64)
+    rel = np.linalg.norm(theta - ref) / np.linalg.norm(ref)
+    assert rel < 1e-4, rel
+    assert bool(jnp.all(infos.finite)) and bool(jnp.all(infos.proj_converged))

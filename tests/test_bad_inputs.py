@@ -3,8 +3,7 @@
 ``CASES`` is one table over every subpackage: ``(id, call, exception type, regex)``. ``call``
 takes pytest's ``tmp_path`` (for files) and makes ONE bad call; the test asserts the type
 and that the message matches the regex, which always names the offending argument.
-``PENDING_CASES`` hold bad input that other work in progress will reject; they join the
-parametrization once they pass. The tests after the table check each class of fix of
+The tests after the table check each class of fix of
 issue 11 on its own (ClientData validation, casts, subsets, empty clients, decoding).
 
 Shapes are tiny and every error is raised before anything is compiled (at most one
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -461,7 +459,7 @@ CASES = [
     ("lipschitz_ridge NaN features",
      lambda p: lipschitz_ridge(ClientData(X.at[0, 0, 0].set(jnp.nan), Y, COUNTS), 0.1),
      ValueError, "data.x contains NaN"),
-    # ---- projection (the shape half; the values half is pending)
+    # ---- projection
     ("project radii_sq of other n",
      lambda p: projection.project(jnp.zeros((N, DIM)), jnp.zeros((N + 1, N + 1))), ValueError,
      "radii_sq"),
@@ -500,18 +498,26 @@ CASES = [
         data_per_seed=True), ValueError, "data_per_seed"),
     ("checkpoint garbage file", _garbage_checkpoint, ValueError, r"checkpoint\.npz"),
     ("checkpoint meta not JSON", _checkpoint_bad_meta, ValueError, r"checkpoint\.npz"),
-]  # fmt: skip
-
-
-# Bad input that work in progress elsewhere (projection values, checkpoint writing) will reject.
-# A case moves up to CASES once it passes.
-PENDING_CASES = [
     ("project v with NaN",
      lambda p: projection.project(jnp.zeros((N, DIM)).at[0, 0].set(jnp.nan), jnp.ones((N, N))),
-     ValueError, "v"),
+     ValueError, "v: leaf 0"),
     ("project v with inf",
      lambda p: projection.project(jnp.zeros((N, DIM)).at[1, 0].set(jnp.inf), jnp.ones((N, N))),
-     ValueError, "v"),
+     ValueError, "v: leaf 0"),
+    ("project v complex",
+     lambda p: projection.project(jnp.zeros((N, DIM), jnp.complex64), jnp.ones((N, N))),
+     TypeError, "v: leaf 0"),
+    ("project v without clients",
+     lambda p: projection.project(jnp.zeros((0, DIM)), jnp.ones((0, 0))), ValueError, "v: "),
+    ("project tol zero",
+     lambda p: projection.project(jnp.zeros((N, DIM)), jnp.ones((N, N)), tol=0.0),
+     ValueError, "tol"),
+    ("project max_iter float",
+     lambda p: projection.project(jnp.zeros((N, DIM)), jnp.ones((N, N)), max_iter=10.5),
+     TypeError, "max_iter"),
+    ("project method dykstra_parallel (dropped)",
+     lambda p: projection.project(jnp.zeros((N, DIM)), jnp.ones((N, N)),
+                                  method="dykstra_parallel"), ValueError, "method"),
     ("save_checkpoint rounds_done negative",
      lambda p: training.save_checkpoint(p / "c.npz", {"a": jnp.zeros(2)}, rounds_done=-1),
      ValueError, "rounds_done"),
@@ -524,7 +530,7 @@ def _ids(cases):
 
 def test_table_is_complete():
     assert len(CASES) >= 100
-    assert len(set(_ids(CASES + PENDING_CASES))) == len(CASES) + len(PENDING_CASES)
+    assert len(set(_ids(CASES))) == len(CASES)
 
 
 @pytest.mark.parametrize(("name", "call", "exc", "match"), CASES, ids=_ids(CASES))
@@ -532,20 +538,6 @@ def test_bad_input(tmp_path, name, call, exc, match):
     with pytest.raises(exc, match=match) as err:
         call(tmp_path)
     assert type(err.value) is exc, f"{name}: {type(err.value).__name__}: {err.value}"
-
-
-@pytest.mark.parametrize(("name", "call", "exc", "match"), PENDING_CASES,
-                         ids=_ids(PENDING_CASES))  # fmt: skip
-def test_pending_bad_input(tmp_path, name, call, exc, match):
-    try:
-        call(tmp_path)
-    except exc as e:
-        if not re.search(match, str(e)):
-            pytest.xfail(f"pending: message does not name the argument: {e}")
-        return
-    except Exception as e:  # noqa: BLE001 - reported as pending
-        pytest.xfail(f"pending: {type(e).__name__}: {e}")
-    pytest.xfail("pending: no error")
 
 
 # --------------------------------------------------------------------------- per class
@@ -644,7 +636,6 @@ def test_non_utf8_leaf_file_through_load_leaf(tmp_path):
         load_leaf(tmp_path, num_clients=1, min_samples=1)
 
 
-@pytest.mark.skip(reason="pending (projection owner): integer v should give a float result")
 def test_project_integer_v_gives_float_feasible_result():
     v = jnp.array([[0], [3]], jnp.int32)
     out = projection.project(v, jnp.ones((2, 2)))[0]

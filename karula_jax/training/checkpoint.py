@@ -154,6 +154,10 @@ def save_checkpoint(
       extra_meta: JSON-serializable values stored in the header.
     """
     path = os.fspath(path)
+    if isinstance(rounds_done, bool) or not isinstance(rounds_done, int | np.integer):
+        raise TypeError(f"rounds_done must be an int, got {type(rounds_done).__name__}")
+    if rounds_done < 0:
+        raise ValueError(f"rounds_done must be >= 0, got {rounds_done}")
     leaves, treedef = jax.tree.flatten(state)
     leaves = jax.device_get(leaves)
     arrays: dict[str, np.ndarray] = {}

@@ -1,0 +1,362 @@
+"""The public projection: argument checks, flattening of pytrees, solver dispatch."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from karula_jax._checks import check_positive, check_positive_int, is_concrete
+from karula_jax.projection.dykstra import _dykstra
+from karula_jax.projection.laplacian import _laplacian
+from karula_jax.projection.reduction import _client_mean, _reduce, _sq_dists_exact
+
+__all__ = ["METHODS", "ProjectionInfo", "ProjectionState", "init_projection_state", "project"]
+
+METHODS = ("dykstra", "laplacian")
+
+
+class ProjectionState(NamedTuple):
+    """Dual state of the projection, carried across calls for warm starts.
+
+    Attributes:
+      lam: multipliers of ``||theta_i - theta_j||^2 <= r_ij^2`` (per merged slot),
+        symmetric with zero diagonal.
+      pair_dual: Dykstra increments, one vector per pair ``i < j`` (row order of
+        ``np.triu_indices(n, 1)``) in the flattened personalized coordinates;
+        ``[0, p]`` for ``method="laplacian"``.
+    """
+
+    lam: jnp.ndarray  # [n, n] float
+    pair_dual: jnp.ndarray  # [n(n-1)/2, p] float (dykstra) or [0, p] (laplacian)
+
+
+class ProjectionInfo(NamedTuple):
+    """Diagnostics of one projection (scalars unless noted).
+
+    Attributes:
+      iterations: solver iterations used.
+      max_violation: ``max_ij max(||theta_i - theta_j|| - r_ij, 0)`` on the returned
+        point (absolute, computed from explicit differences).
+      rel_violation: ``max_violation`` divided by the largest finite radius (by 1 when
+        there is none or it is 0).
+      delta: certified suboptimality ``1/2||theta - v||^2 - g(lam)`` (>= 0).
+      rel_delta: ``delta / S`` with ``S = 1/2 sum_i ||v_i - mean(v)||^2``.
+      converged: ``delta <= tol * S``.
+      state: :class:`ProjectionState` to pass back as ``warm_start``.
+    """
+
+    iterations: jnp.ndarray  # [] int32
+    max_violation: jnp.ndarray  # [] float
+    rel_violation: jnp.ndarray  # [] float
+    delta: jnp.ndarray  # [] float
+    rel_delta: jnp.ndarray  # [] float
+    converged: jnp.ndarray  # [] bool
+    state: ProjectionState
+
+
+def _violation(out, radii_sq):
+    """(max violation, relative violation) of ``out`` [n, p] against ``radii_sq``."""
+    n = out.shape[0]
+    r = jnp.sqrt(jnp.maximum(radii_sq.astype(out.dtype), 0.0))
+    fin = jnp.isfinite(r) & ~jnp.eye(n, dtype=bool)
+    viol = jnp.where(fin, jnp.sqrt(_sq_dists_exact(out)) - jnp.where(fin, r, 0.0), 0.0)
+    viol = jnp.maximum(jnp.max(viol), 0.0)
+    rmax = jnp.max(jnp.where(fin, r, 0.0))
+    return viol, viol / jnp.where(rmax > 0, rmax, 1.0)
+
+
+def _project_core(x, radii_sq, state, tol, max_iter, *, method):
+    """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
+
+    ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
+    """
+    n, p = x.shape
+    dtype = x.dtype
+    # The Dykstra state is O(n^2 k): rotate onto the span when p > n. The dual solver
+    # only ever multiplies [n, n] by [n, p], so it keeps the original coordinates.
+    red = _reduce(x, radii_sq, rotate=method == "dykstra")
+    if method == "dykstra":
+        q0 = state.pair_dual.astype(dtype)
+        if red.basis is not None:
+            q0 = q0 @ red.basis
+        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter)
+        pair_dual = q if red.basis is None else q @ red.basis.T
+    else:
+        th, lam, delta, it, done = _laplacian(
+            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter
+        )
+        pair_dual = jnp.zeros((0, p), dtype)
+    # Add the (small) move to v itself, so that clients that do not move come back
+    # bit for bit; merged clients take their component's mean plus the move.
+    move = th - red.w
+    move = move if red.basis is None else move @ red.basis.T
+    alone = (red.count[red.labels] == 1)[:, None]
+    out = jnp.where(alone, x, red.mu + red.wbar[red.labels]) + move[red.labels]
+    viol, rel_viol = _violation(out, radii_sq)
+    scale = red.scale
+    info = ProjectionInfo(
+        iterations=it.astype(jnp.int32),
+        max_violation=viol,
+        rel_violation=rel_viol,
+        delta=delta,
+        rel_delta=delta / jnp.where(scale > 0, scale, 1.0),
+        converged=done,
+        state=ProjectionState(lam=lam, pair_dual=pair_dual),
+    )
+    return out, info
+
+
+# One compiled program per shape and method (tests wrap _project_core with
+# chex.assert_max_traces and jit it the same way to prove it).
+_project_flat = jax.jit(_project_core, static_argnames=("method",))
+
+
+# ------------------------------------------------------------------- public API
+
+
+def _split(v, personalized):
+    leaves, treedef = jax.tree.flatten(v)
+    if not leaves:
+        raise ValueError("v: expected a pytree with at least one array leaf, got none")
+    _check_values(leaves)
+    if personalized is None:
+        mask = [True] * len(leaves)
+    else:
+        m_leaves, m_def = jax.tree.flatten(personalized)
+        if m_def != treedef:
+            raise ValueError(
+                "personalized: expected a pytree of bools with the same structure as v "
+                f"({treedef}), got {m_def}"
+            )
+        mask = []
+        for m in m_leaves:
+            if not isinstance(m, (bool, np.bool_)):
+                raise TypeError(
+                    f"personalized: expected Python bools as leaves, got {type(m).__name__}"
+                )
+            mask.append(bool(m))
+    n = None
+    for leaf in leaves:
+        shape = jnp.shape(leaf)
+        if len(shape) < 1:
+            raise ValueError("v: every leaf needs a leading client axis, got a scalar leaf")
+        if n is None:
+            n = shape[0]
+        elif shape[0] != n:
+            raise ValueError(f"v: leaves disagree on the client axis: {n} and {shape[0]} clients")
+    if n == 0:
+        raise ValueError("v: expected at least one client on the leading axis, got 0")
+    return leaves, treedef, mask, n
+
+
+def _flat_dim(leaves, mask) -> int:
+    return int(sum(int(np.prod(jnp.shape(x)[1:])) for x, m in zip(leaves, mask, strict=True) if m))
+
+
+def _compute_dtype(dt):
+    """The float type a leaf of dtype ``dt`` is projected in: at least float32 (LAPACK has
+    no half precision), the default float for integers and bools."""
+    if not jnp.issubdtype(dt, jnp.floating):
+        return jnp.result_type(float)
+    return jnp.promote_types(dt, jnp.float32)
+
+
+def _flat_dtype(leaves, mask):
+    dts = [_compute_dtype(jnp.result_type(x)) for x, m in zip(leaves, mask, strict=True) if m]
+    return jnp.result_type(*dts) if dts else jnp.float32
+
+
+def _out_dtype(x):
+    """Floating leaves come back in their own dtype; integer leaves as floats (a projection
+    of integers is not an integer)."""
+    dt = jnp.result_type(x)
+    return dt if jnp.issubdtype(dt, jnp.floating) else jnp.result_type(float)
+
+
+def _check_values(leaves) -> None:
+    for i, leaf in enumerate(leaves):
+        dt = jnp.result_type(leaf)
+        if jnp.issubdtype(dt, jnp.complexfloating) or not (
+            jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)
+        ):
+            raise TypeError(f"v: leaf {i} has dtype {dt}; expected real (float or integer) arrays")
+        if is_concrete(leaf) and jnp.issubdtype(dt, jnp.floating):
+            a = np.asarray(leaf)
+            if not np.isfinite(a).all():
+                raise ValueError(
+                    f"v: leaf {i} (shape {a.shape}) contains NaN or inf; expected finite models"
+                )
+
+
+def _check_radii(radii_sq, n: int) -> None:
+    shape = jnp.shape(radii_sq)
+    if shape != (n, n):
+        raise ValueError(f"radii_sq: expected shape ({n}, {n}) (clients of v), got {shape}")
+    if not is_concrete(radii_sq):
+        return
+    r = np.asarray(radii_sq, dtype=np.float64)
+    if np.isnan(r).any():
+        raise ValueError("radii_sq: contains NaN; expected values in [0, inf]")
+    off = ~np.eye(n, dtype=bool)
+    if (r[off] < 0).any():
+        raise ValueError("radii_sq: contains negative entries; expected values in [0, inf]")
+    fin = np.isfinite(r) & np.isfinite(r.T)
+    mism = (np.isinf(r) != np.isinf(r.T)) & off
+    rf = np.where(fin, r, 0.0)
+    tol = 1e-6 * np.maximum(np.abs(rf), np.abs(rf.T))
+    if mism.any() or (np.abs(rf - rf.T) > tol).any():
+        raise ValueError("radii_sq: expected a symmetric matrix (radii_sq == radii_sq.T)")
+
+
+def _check_options(method, tol, max_iter) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    check_positive("tol", tol)
+    check_positive_int("max_iter", max_iter)
+
+
+def init_projection_state(v, radii_sq=None, *, personalized=None, method="dykstra"):
+    """Zero dual state of the fixed shape that :func:`project` carries.
+
+    Args:
+      v: pytree of client-stacked leaves ``[n, ...]`` (only shapes are used).
+      radii_sq: unused except for a shape check (may be None).
+      personalized: optional pytree of bools like ``v``.
+      method: ``"dykstra"`` or ``"laplacian"``.
+
+    Returns:
+      :class:`ProjectionState` with ``lam`` ``[n, n]`` and ``pair_dual``
+      ``[n(n-1)/2, p]`` (dykstra) or ``[0, p]`` (laplacian), ``p`` the flattened size
+      of the personalized leaves.
+    """
+    _check_options(method, 1.0, 1)
+    leaves, _, mask, n = _split(v, personalized)
+    if radii_sq is not None and jnp.shape(radii_sq) != (n, n):
+        raise ValueError(f"radii_sq: expected shape ({n}, {n}), got {jnp.shape(radii_sq)}")
+    p = _flat_dim(leaves, mask)
+    dtype = _flat_dtype(leaves, mask)
+    m = n * (n - 1) // 2 if method == "dykstra" else 0
+    return ProjectionState(lam=jnp.zeros((n, n), dtype), pair_dual=jnp.zeros((m, p), dtype))
+
+
+def project(
+    v,
+    radii_sq,
+    *,
+    personalized=None,
+    method: str = "dykstra",
+    tol: float = 1e-6,
+    max_iter: int = 500,
+    warm_start: ProjectionState | None = None,
+):
+    r"""Certified projection of client models onto the pairwise-distance set.
+
+    Solves ``min_theta 1/2 sum_i ||theta_i - v_i||^2`` subject to
+    ``||theta_i - theta_j||^2 <= radii_sq[i, j]`` for all ``i < j`` (norm over all
+    personalized leaves jointly), with shared leaves set to their mean over clients.
+    The result is always feasible (up to float rounding of the final sums), and
+    ``info.delta`` certifies how far its objective is from the optimum.
+
+    Works under ``jit``, ``vmap`` and ``lax.scan`` with traced ``v``, ``radii_sq`` and
+    ``warm_start``; ``method``, ``tol`` and ``max_iter`` are static. Value checks on
+    ``v`` and ``radii_sq`` run only when they are concrete; under tracing a NaN/inf in
+    ``v`` ends the solver at once with ``info.converged = False`` and a NaN ``delta``.
+
+    Dtypes: the problem is solved in the widest dtype of the personalized leaves, at
+    least float32 (float16/bfloat16 leaves are promoted, then rounded back, and
+    ``info.max_violation`` is measured on the rounded result). Integer leaves come back
+    as floats.
+
+    Always check ``info.converged``: a solver that hits ``max_iter`` returns a feasible
+    point whose suboptimality is ``info.delta``, larger than requested.
+
+    Args:
+      v: pytree of arrays with a leading client axis ``[n, ...]``.
+      radii_sq: array ``[n, n]``, squared radii ``t * D``: symmetric, ``>= 0``, ``inf``
+        for no constraint; the diagonal is ignored. Zero radii merge clients exactly.
+      personalized: optional pytree of Python bools with the structure of ``v``
+        (True: constrained leaf; False: shared leaf, set to the mean). None: all True.
+      method: ``"dykstra"`` (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or
+        ``"laplacian"`` (dual ascent on the ``n x n`` multipliers; for many clients).
+      tol: stop when ``delta <= tol * S``, ``S = 1/2 sum_i ||v_i - mean(v)||^2`` over
+        the personalized leaves (the objective of collapsing to the mean).
+      max_iter: iteration cap (the loop checks the certificate every 10 iterations).
+      warm_start: a previous :class:`ProjectionState` of the same method and shapes
+        (e.g. ``info.state`` of the last call), or None for a cold start.
+
+    Returns:
+      ``(theta, info)``: ``theta`` has the structure and shapes of ``v``; ``info`` is a
+      :class:`ProjectionInfo`.
+
+    Raises:
+      ValueError: bad shapes, no clients, NaN/inf in a concrete ``v``,
+        negative/NaN/asymmetric radii, mask structure mismatch, unknown method, bad
+        ``tol``/``max_iter`` or a ``warm_start`` of the wrong shape.
+      TypeError: complex or non-numeric leaves in ``v``, non-bool mask leaves.
+    """
+    _check_options(method, tol, max_iter)
+    leaves, treedef, mask, n = _split(v, personalized)
+    _check_radii(radii_sq, n)
+    pers = [x for x, m in zip(leaves, mask, strict=True) if m]
+    out = [None] * len(leaves)
+    for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
+        if not m:
+            x = jnp.asarray(x)
+            mean = _client_mean(x.astype(_compute_dtype(x.dtype)))
+            out[idx] = jnp.broadcast_to(mean[None], x.shape).astype(_out_dtype(x))
+    dtype = _flat_dtype(leaves, mask)
+    p = _flat_dim(leaves, mask)
+    zero_state = init_projection_state(v, personalized=personalized, method=method)
+    if warm_start is None:
+        state = zero_state
+    else:
+        want = jax.tree.map(jnp.shape, zero_state)
+        got = jax.tree.map(jnp.shape, warm_start)
+        if not isinstance(warm_start, ProjectionState) or want != got:
+            raise ValueError(
+                f"warm_start: expected a ProjectionState with shapes {want} "
+                f"(method={method!r}), got {got}"
+            )
+        state = warm_start
+    if not pers or p == 0 or n == 1:
+        for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
+            if m:
+                out[idx] = jnp.asarray(x).astype(_out_dtype(x))
+        zero = jnp.zeros((), dtype)
+        info = ProjectionInfo(
+            iterations=jnp.int32(0),
+            max_violation=zero,
+            rel_violation=zero,
+            delta=zero,
+            rel_delta=zero,
+            converged=jnp.array(True),
+            state=state,
+        )
+        return jax.tree.unflatten(treedef, out), info
+    flat = jnp.concatenate([jnp.reshape(x, (n, -1)).astype(dtype) for x in pers], axis=1)
+    theta, info = _project_flat(
+        flat,
+        jnp.asarray(radii_sq),
+        state,
+        jnp.asarray(tol, dtype),
+        jnp.asarray(max_iter, jnp.int32),
+        method=method,
+    )
+    start = 0
+    for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
+        if m:
+            shape = jnp.shape(x)
+            size = int(np.prod(shape[1:]))
+            out[idx] = theta[:, start : start + size].reshape(shape).astype(_out_dtype(x))
+            start += size
+    if any(jnp.result_type(out[i]) != dtype for i, m in enumerate(mask) if m):
+        # A narrower output dtype rounds the solution: report the violation it really has.
+        narrow = jnp.concatenate(
+            [jnp.reshape(out[i], (n, -1)).astype(dtype) for i, m in enumerate(mask) if m], axis=1
+        )
+        viol, rel_viol = jax.jit(_violation)(narrow, jnp.asarray(radii_sq))
+        info = info._replace(max_violation=viol, rel_violation=rel_viol)
+    return jax.tree.unflatten(treedef, out), info
