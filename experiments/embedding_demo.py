@@ -22,29 +22,10 @@ import time
 
 import jax
 import numpy as np
-import ot
-from scipy import stats
 
 from karula_jax.data import synthetic_ridge
-from karula_jax.embedding import dissimilarities, joint_samples
-
-
-def exact_pairwise_w1(joint: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Exact W1 between every pair of clients (POT network simplex, Euclidean cost)."""
-    z = np.asarray(joint, np.float64)
-    n = len(counts)
-    w = np.zeros((n, n))
-    for i in range(n):
-        for j in range(i + 1, n):
-            zi, zj = z[i, : counts[i]], z[j, : counts[j]]
-            ai, aj = np.full(len(zi), 1 / len(zi)), np.full(len(zj), 1 / len(zj))
-            w[i, j] = w[j, i] = ot.emd2(ai, aj, ot.dist(zi, zj, metric="euclidean"))
-    return w
-
-
-def spearman_offdiag(a: np.ndarray, b: np.ndarray) -> float:
-    iu = np.triu_indices(a.shape[0], 1)
-    return float(stats.spearmanr(np.asarray(a)[iu], np.asarray(b)[iu])[0])
+from karula_jax.embedding import dissimilarities
+from karula_jax.evaluation import exact_pairwise_w1, pairwise_sq_distances, spearman_offdiag
 
 
 def main(argv=None) -> None:
@@ -69,10 +50,8 @@ def main(argv=None) -> None:
     d = np.asarray(jax.block_until_ready(d))
     seconds = time.perf_counter() - t0
 
-    theta = np.asarray(data.theta_true, np.float64)
-    model_dist = ((theta[:, None] - theta[None]) ** 2).sum(-1)
-    counts = np.asarray(data.train.counts)
-    w1 = exact_pairwise_w1(np.asarray(joint_samples(data.train)), counts)
+    model_dist = pairwise_sq_distances(data.theta_true)
+    w1 = exact_pairwise_w1(data.train)
     groups = np.asarray(data.groups)
     same = (groups[:, None] == groups[None]) & ~np.eye(len(groups), dtype=bool)
     diff = groups[:, None] != groups[None]

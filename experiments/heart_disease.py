@@ -1,56 +1,14 @@
 """UCI Heart Disease: four hospitals as four clients, logistic regression.
 
-Command (defaults reproduce ``results/heart_disease/``)::
-
-    python -m experiments.heart_disease [--data-dir PATH] [--seeds S] [--rounds R]
-                                        [--quick] [--out DIR]
-
-Expected (``results/heart_disease/table.md``, 10 splits, mean per-hospital test accuracy):
-Local 0.836, Karula 0.828 (t = 0.3 chosen by CV in every split), pFedMe 0.804, IFCA 0.803,
-FedSGD 0.797, FedAvg 0.797; about 3 minutes on 2 shared CPU cores.
-
-Protocol (the paper only comments out a result table for this data set, so every
-choice below is ours):
-
-* Data: :func:`karula_jax.data.load_heart_disease` (FLamby preprocessing: columns slope,
-  ca, thal dropped, incomplete rows dropped, 303 / 261 / 46 / 130 rows; cp and restecg
-  one-hot, 15 features; standardization fitted on the pooled training rows only, from
-  the hospitals' summed statistics). Per hospital and class, 25% of the rows are held out
-  for testing. **Seed s draws split s**: the +-2 SE bands include the variability of
-  the split (with a fixed split the runs of all methods are nearly deterministic, full
-  gradients on a convex loss, and the band would only reflect participation noise).
-* Model: logistic regression with an L2 penalty ``lam = 1e-3`` on the weights; every
-  method starts from zero; clients weighted by their training rows (alpha_i ~ N_i).
-* Rounds: 2 of the 4 hospitals per round, full gradients, ``R = 500`` rounds (on 4
-  seeds, 3000 rounds moved the mean test accuracy of Local, FedSGD and Karula by less
-  than 0.5 points: the runs have converged).
-* Step sizes from the smoothness of the logistic losses: ``L_i = lambda_max(X_i^T X_i) /
-  (4 N_i) + lam`` (bias column included), ``L_f = max_i alpha_i L_i / n`` for the product
-  objective, ``L_max = max_i L_i``. Karula and Local ``3 / (8 L_f)`` (Local is Karula at
-  t = inf in the library's normalization); FedSGD ``3 / (8 n L_f)`` (Karula at t = 0);
-  FedAvg ``1 / (10 L_max)`` and IFCA ``1 / (2 L_max)`` for their 5 local steps (the
-  paper's synthetic-data rates); pFedMe: Moreau parameter 15, inner step
-  ``1 / (L_max + 15)`` with 10 inner steps, envelope step ``1 / (2 * 15)``.
-* IFCA with 2 clusters (4 clients leave little room for more).
-* Karula: ``D`` from :func:`karula_jax.embedding.dissimilarities` on the joint space
-  (15 standardized features + one-hot label, 100 Gaussian reference points). ``t`` is
-  chosen per seed by 3-fold cross-validation on the training rows (folds within each
-  hospital; ``D`` recomputed on each fold's fitting rows) over a geometric grid plus
-  0 and inf; the criterion is the mean validation log-loss over the hospitals (smoother
-  than accuracy on folds of 9 to 57 rows).
-* Metrics: test accuracy of each hospital's own model on its own test rows, averaged
-  with equal weight over the 4 hospitals ("mean per-hospital accuracy"); the pooled
-  accuracy over all test rows; the mean per-hospital test log-loss. +- is 2 SE over
-  seeds. Switzerland has 45 positive rows of 46, so all 11 of its test rows are positive: any
-  model that predicts "disease" for everyone scores ~100% there, which favours Local in
-  the per-hospital average.
+Karula's t is chosen per seed by client-wise K-fold CV (:mod:`karula_jax.evaluation`) on
+the training rows; every method's final fit is one :func:`karula_jax.training.run_many` call
+over the seeds' splits. Protocol and findings: ``results/heart_disease/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
 import time
 
@@ -58,43 +16,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments._common import mean_2se, write_json, write_table
+from experiments.report import DATA_DIR, RESULTS, mean_se_columns, write_json, write_table
 from karula_jax import algorithms as A
+from karula_jax import evaluation as ev
 from karula_jax import models
-from karula_jax.data.clients import ClientData, client_weights, from_client_arrays
-from karula_jax.data.heart_disease import load_heart_disease
+from karula_jax.data import ClientData, load_heart_disease
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import scan_rounds
+from karula_jax.training import run_many
 
-__all__ = ["Config", "cv_folds", "evaluate", "main", "smoothness", "train_many"]
+__all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_DATA = pathlib.Path(os.environ.get("KARULA_DATA_DIR", REPO.parent / "shared" / "data"))
 METHODS = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One heart-disease run (see the module docstring for the protocol).
+    """One heart-disease run.
+
+    Command: ``python -m experiments.heart_disease [--data-dir PATH] [--seeds S] [--rounds R]
+    [--quick] [--out DIR]`` (defaults write ``results/heart_disease/``).
+
+    Expected (10 splits, mean per-hospital test accuracy): Local 0.836, Karula 0.828 (t = 0.3
+    chosen by CV in every split), pFedMe 0.804, IFCA 0.803, FedSGD 0.797, FedAvg 0.797.
+    Runtime: 25 s on an idle 2-core machine.
 
     Attributes:
       data_dir: folder with the four ``processed.*.data`` files.
       seeds: number of seeds (= train/test splits).
       rounds: communication rounds of every method.
-      clients_per_round: ``s`` of the 4 hospitals per round.
+      clients_per_round: hospitals per round (of 4).
       test_fraction: held-out fraction of each hospital (per class).
       lam: L2 penalty of the logistic loss.
       local_steps: local steps of FedAvg, IFCA and pFedMe.
       ifca_clusters: IFCA's number of clusters.
-      pfedme_lam: pFedMe's Moreau parameter.
-      pfedme_inner: pFedMe's inner steps.
+      pfedme_lam, pfedme_inner: pFedMe's Moreau parameter and inner steps.
       folds: cross-validation folds for Karula's t.
       t_grid: candidate values of t.
-      num_reference: Gaussian reference points of the embedding.
-      epsilon: Sinkhorn's entropic regularization of the embedding.
+      num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
     """
 
-    data_dir: str = str(DEFAULT_DATA / "heart_disease")
+    data_dir: str = str(DATA_DIR / "heart_disease")
     seeds: int = 10
     rounds: int = 500
     clients_per_round: int = 2
@@ -118,173 +79,89 @@ def quick_config(cfg: Config) -> Config:
 
 
 def smoothness(data: ClientData, lam: float) -> tuple[float, float]:
-    """Smoothness constants of the clients' mean logistic losses.
+    """Smoothness ``(L_f, L_max) = (max_i alpha_i L_i / n, max_i L_i)`` of the logistic losses.
 
-    ``L_i = lambda_max(X_i^T X_i) / (4 N_i) + lam`` with ``X_i`` the real rows plus a
-    column of ones (the bias), an upper bound on the Hessian of ``f_i``.
-
-    Args:
-      data: one data set (no seed axis).
-      lam: the L2 penalty.
-
-    Returns:
-      ``(L_f, L_max)``: ``max_i alpha_i L_i / n`` (product objective) and ``max_i L_i``.
+    ``L_i = lambda_max(X_i^T X_i) / (4 N_i) + lam`` with ``X_i`` the real rows plus a bias
+    column: the ridge constant (:func:`karula_jax.algorithms.lipschitz_ridge`) of ``X_i / 2``.
     """
     x = np.asarray(data.x, np.float64)
-    counts = np.asarray(data.counts)
-    L = []
-    for i, c in enumerate(counts):
-        xi = np.concatenate([x[i, :c], np.ones((c, 1))], axis=1)
-        L.append(np.linalg.eigvalsh(xi.T @ xi / c).max() / 4.0 + lam)
-    L = np.asarray(L)
-    alpha = np.asarray(client_weights(counts))
-    return float(np.max(alpha * L) / len(L)), float(L.max())
-
-
-# --------------------------------------------------------------------------- data
-
-
-def _stack(items):
-    return jax.tree.map(lambda *a: jnp.stack(a), *items)
-
-
-def _unpad(data: ClientData) -> tuple[list, list]:
-    x, y, c = np.asarray(data.x), np.asarray(data.y), np.asarray(data.counts)
-    return [x[i, : c[i]] for i in range(len(c))], [y[i, : c[i]] for i in range(len(c))]
-
-
-def cv_folds(train: ClientData, folds: int, *, seed: int) -> list[tuple[ClientData, ClientData]]:
-    """Splits every client's training rows into ``folds`` folds (fitting, validation) pairs.
-
-    The fold of a row is its rank in a random permutation modulo ``folds``, within each
-    client, so every client appears in every fold. All pairs are padded to the
-    training data's ``N_max`` (static shapes across folds and seeds).
-    """
-    xs, ys = _unpad(train)
-    rng = np.random.default_rng(seed)
-    fold_of = [np.argsort(rng.permutation(len(y))) % folds for y in ys]
-    n_max = train.max_count
-    out = []
-    for f in range(folds):
-        fit = [(x[k != f], y[k != f]) for x, y, k in zip(xs, ys, fold_of, strict=True)]
-        val = [(x[k == f], y[k == f]) for x, y, k in zip(xs, ys, fold_of, strict=True)]
-        out.append(
-            (
-                from_client_arrays(*zip(*fit, strict=True), num_classes=2, max_count=n_max),
-                from_client_arrays(*zip(*val, strict=True), num_classes=2, max_count=n_max),
-            )
-        )
-    return out
-
-
-def _dissimilarity(train: ClientData, cfg: Config, key) -> tuple[np.ndarray, bool]:
-    D, info = dissimilarities(
-        train, key=key, num_reference=cfg.num_reference, epsilon=cfg.epsilon, num_classes=2
+    ones = np.asarray(data.mask, np.float64)[..., None]
+    half = ClientData(
+        np.concatenate([x, ones], -1) / 2, np.asarray(data.y), np.asarray(data.counts)
     )
-    return np.asarray(D), bool(np.all(np.asarray(info.converged)))
-
-
-# --------------------------------------------------------------------------- methods
+    n = data.num_clients
+    return A.lipschitz_ridge(half, lam), A.lipschitz_ridge(half, lam, weights=np.full(n, float(n)))
 
 
 def make_factories(cfg: Config, batch_size: int) -> dict:
-    """``make(D, L_f, L_max, **hyper) -> Algorithm`` per method (traced D and constants)."""
+    """``make(D, L_f, L_max[, t]) -> Algorithm`` per method (keywords, traced values)."""
     loss = models.logistic_loss(cfg.lam)
-    s, n, B, E = cfg.clients_per_round, 4, batch_size, cfg.local_steps
-    lp = cfg.pfedme_lam
+    common = dict(clients_per_round=cfg.clients_per_round, batch_size=batch_size)
+    local = dict(common, local_steps=cfg.local_steps)
+    lp, n = cfg.pfedme_lam, 4
+
+    def pfedme(L_max, **_):
+        inner = dict(personal_learning_rate=1.0 / (L_max + lp), inner_steps=cfg.pfedme_inner)
+        return A.pfedme(loss, learning_rate=0.5 / lp, lam=lp, **inner, **local)
+
     return {
-        "Local": lambda D, L_f, L_max: A.local(
-            loss, learning_rate=0.375 / L_f, batch_size=B, clients_per_round=s
+        "Local": lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common),
+        "FedSGD": lambda L_f, **_: A.fedsgd(loss, learning_rate=0.375 / (n * L_f), **common),
+        "FedAvg": lambda L_max, **_: A.fedavg(loss, learning_rate=0.1 / L_max, **local),
+        "IFCA": lambda L_max, **_: A.ifca(
+            loss, num_clusters=cfg.ifca_clusters, learning_rate=0.5 / L_max, **local
         ),
-        "FedSGD": lambda D, L_f, L_max: A.fedsgd(
-            loss, learning_rate=0.375 / (n * L_f), clients_per_round=s, batch_size=B
-        ),
-        "FedAvg": lambda D, L_f, L_max: A.fedavg(
-            loss, learning_rate=0.1 / L_max, clients_per_round=s, batch_size=B, local_steps=E
-        ),
-        "IFCA": lambda D, L_f, L_max: A.ifca(
-            loss,
-            num_clusters=cfg.ifca_clusters,
-            learning_rate=0.5 / L_max,
-            clients_per_round=s,
-            batch_size=B,
-            local_steps=E,
-        ),
-        "pFedMe": lambda D, L_f, L_max: A.pfedme(
-            loss,
-            learning_rate=0.5 / lp,
-            clients_per_round=s,
-            batch_size=B,
-            lam=lp,
-            personal_learning_rate=1.0 / (L_max + lp),
-            inner_steps=cfg.pfedme_inner,
-            local_steps=E,
-        ),
-        "Karula": lambda D, L_f, L_max, t: A.karula(
-            loss, D, t=t, learning_rate=0.375 / L_f, clients_per_round=s, batch_size=B
+        "pFedMe": pfedme,
+        "Karula": lambda D, L_f, t, **_: A.karula(
+            loss, D, t=t, learning_rate=0.375 / L_f, **common
         ),
     }
 
 
-def train_many(make, train, D, L_f, L_max, keys, *, rounds: int, dim: int, t=None, t_grid=None):
-    """Trains one method on a batch of data sets (leading axis ``[B]``) as one program.
-
-    Args:
-      make: ``make(D, L_f, L_max[, t]) -> Algorithm``.
-      train: stacked :class:`ClientData` ``[B, n, N_max, d]``.
-      D: ``[B, n, n]``; L_f, L_max: ``[B]``; keys: ``[B]`` keys.
-      rounds: number of rounds.
-      dim: number of features.
-      t: optional ``[B]``: Karula's t for each data set.
-      t_grid: optional ``[G]``: every value of t for every data set (vmapped inside).
-
-    Returns:
-      ``(params, last_loss)``: client parameters with leaves ``[B, n, ...]`` (``[B, G, n,
-      ...]`` with ``t_grid``) and the last round's training loss ``[B]`` (``[B, G]``).
-    """
-    params0 = models.linear_params(dim)
-
-    def one(data, D, L_f, L_max, key, *h):
-        alg = make(D, L_f, L_max, *h)
-        state = alg.init(params0, data, key=key)
-        state, info = scan_rounds(alg, state, data, rounds)
-        return alg.client_params(state, data), info.loss[-1]
-
-    if t_grid is not None:
-        grid = jnp.asarray(t_grid, jnp.float32)
-
-        def per_data(data, D, L_f, L_max, key):
-            return jax.vmap(lambda tt: one(data, D, L_f, L_max, key, tt))(grid)
-
-        return jax.jit(jax.vmap(per_data))(train, D, L_f, L_max, keys)
-    if t is not None:
-        return jax.jit(jax.vmap(one))(train, D, L_f, L_max, keys, jnp.asarray(t, jnp.float32))
-    return jax.jit(jax.vmap(one))(train, D, L_f, L_max, keys)
+def _logistic(params, x):
+    return x @ params["w"] + params["b"]
 
 
-def evaluate(params, data: ClientData, *, grid: bool = False):
-    """Per-client test accuracy and mean log-loss of each client's own model.
-
-    Args:
-      params: logistic parameters with leaves ``[B, n, ...]`` (``[B, G, n, ...]`` when
-        ``grid``).
-      data: stacked data ``[B, n, M_max, d]``.
-      grid: whether params carry a grid axis after the data axis.
-
-    Returns:
-      ``(accuracy, log_loss)`` as numpy arrays ``[B, n]`` (``[B, G, n]``).
-    """
-    acc = jax.vmap(models.logistic_accuracy)
-    nll = jax.vmap(models.logistic_loss(0.0))
-
-    def clients(p, d):
-        return acc(p, d.x, d.y, d.mask), nll(p, d.x, d.y, d.mask)
-
-    f = jax.vmap(clients, in_axes=(0, None)) if grid else clients
-    return jax.device_get(jax.jit(jax.vmap(f))(params, data))
+def _metrics(params, data):
+    """Each hospital's accuracy and log-loss with its own model, ``[n]`` each."""
+    return {
+        "acc": ev.accuracy(_logistic, params, data),
+        "nll": ev.log_loss(_logistic, params, data),
+    }
 
 
-# --------------------------------------------------------------------------- main
+def _train(make, train, evals, keys, kwargs, cfg, hyper=None):
+    """One run_many call: final metrics ``[B, (G,) n]`` and the last round's loss ``[B(, G)]``."""
+    res = run_many(
+        make,
+        models.linear_params(train.x.shape[-1]),
+        train,
+        keys=keys,
+        num_rounds=cfg.rounds,
+        hyper=hyper,
+        data_per_seed=True,
+        batch_kwargs=kwargs,
+        eval_fn=_metrics,
+        eval_data=evals,
+        eval_data_per_seed=True,
+        eval_every_chunk=False,
+        chunk_size=cfg.rounds,
+        on_nonfinite="record",
+        progress=False,
+    )
+    return {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}, res.info.loss[-1]
+
+
+def _folds(train: ClientData, K: int) -> np.ndarray:
+    """Fold of every row, ``[S, n, N_max]`` (-1 on padding): a row's rank in a random
+    permutation of its hospital's rows modulo K, drawn with numpy seed ``1000 + s``."""
+    counts = np.asarray(train.counts)
+    ids = np.full(counts.shape + (train.x.shape[2],), -1)
+    for s, row in enumerate(counts):
+        rng = np.random.default_rng(1000 + s)
+        for i, c in enumerate(row):
+            ids[s, i, :c] = np.argsort(rng.permutation(c)) % K
+    return ids
 
 
 def _parse(argv) -> tuple[Config, pathlib.Path]:
@@ -293,113 +170,103 @@ def _parse(argv) -> tuple[Config, pathlib.Path]:
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny run for tests")
-    p.add_argument("--out", default=str(REPO / "results" / "heart_disease"))
+    p.add_argument("--out", default=str(RESULTS / "heart_disease"))
     a = p.parse_args(argv)
     cfg = quick_config(Config()) if a.quick else Config()
     updates = {"data_dir": a.data_dir, "seeds": a.seeds, "rounds": a.rounds}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in updates.items() if v is not None})
+    if cfg.seeds < 2:
+        p.error("--seeds must be >= 2 (standard errors need two seeds)")
     return cfg, pathlib.Path(a.out)
 
 
 def main(argv=None) -> dict:
-    """Runs the experiment, writes ``table.md``/``table.csv``/``summary.json``."""
-    cfg, out = _parse(argv)
+    """Command-line entry point (see :class:`Config`); returns the summary."""
+    return run_experiment(*_parse(argv))
+
+
+def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
+    """Picks Karula's t by CV, trains every method; writes table.{md,csv} and summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     S, K = cfg.seeds, cfg.folds
 
-    # ---- data: one split per seed, K folds of each split's training rows
+    # ---- data: one split per seed; K folds of each split's training rows
     splits = [
         load_heart_disease(cfg.data_dir, test_fraction=cfg.test_fraction, seed=s) for s in range(S)
     ]
     hosp = splits[0].hospitals
-    dim = splits[0].train.x.shape[-1]
-    train = _stack([h.train for h in splits])
-    test = _stack([h.test for h in splits])
-    batch_size = int(train.x.shape[2])  # full gradients
+    stack = lambda items: jax.tree.map(lambda *a: jnp.stack(a), *items)
+    train, test = stack([h.train for h in splits]), stack([h.test for h in splits])
+    fit, val = jax.vmap(lambda d, f: ev.kfold_split(d, K, folds=f))(train, _folds(train, K))
+    flat = lambda tree: jax.tree.map(lambda a: a.reshape((S * K,) + a.shape[2:]), tree)
+    fit, val = flat(fit), flat(val)  # [S*K, ...], seed-major
+
+    # ---- D of every split and fold (one vmapped program); step sizes
     emb_keys = jax.random.split(jax.random.key(123), S)
-    Ds, conv = zip(
-        *(_dissimilarity(h.train, cfg, emb_keys[s]) for s, h in enumerate(splits)), strict=True
+    fold_emb = jax.vmap(lambda k: jax.vmap(lambda f: jax.random.fold_in(k, f + 1))(jnp.arange(K)))
+    embed = jax.jit(
+        jax.vmap(
+            lambda d, k: dissimilarities(
+                d, key=k, num_reference=cfg.num_reference, epsilon=cfg.epsilon, num_classes=2
+            )
+        )
     )
-    D = jnp.asarray(np.stack(Ds))
-    consts = np.array([smoothness(h.train, cfg.lam) for h in splits])
-    L_f, L_max = jnp.asarray(consts[:, 0], jnp.float32), jnp.asarray(consts[:, 1], jnp.float32)
+    D, info = embed(train, emb_keys)
+    fold_D, fold_info = embed(fit, fold_emb(emb_keys).reshape(-1))
+    converged = bool(np.all(info.converged) and np.all(fold_info.converged))
+
+    def constants(data, D):
+        host = [ClientData(*(np.asarray(a[b]) for a in data)) for b in range(len(data.counts))]
+        c = np.asarray([smoothness(h, cfg.lam) for h in host], np.float32)
+        return {"D": D, "L_f": c[:, 0], "L_max": c[:, 1]}
+
     run_keys = jax.random.split(jax.random.key(0), S)
     print(
         f"{S} splits; train rows {np.asarray(splits[0].train.counts).tolist()}, "
-        f"test rows {np.asarray(splits[0].test.counts).tolist()}; D converged: {all(conv)}"
+        f"test rows {np.asarray(splits[0].test.counts).tolist()}; D converged: {converged}"
     )
+    factories = make_factories(cfg, int(train.x.shape[2]))  # full gradients
 
-    factories = make_factories(cfg, batch_size)
-
-    # ---- Karula's t by K-fold CV on each seed's training rows
+    # ---- Karula's t by K-fold CV: mean validation log-loss over the hospitals
     t0 = time.perf_counter()
-    fold_fit, fold_val, fold_D, fold_c, fold_conv = [], [], [], [], []
-    for s, h in enumerate(splits):
-        for f, (fit, val) in enumerate(cv_folds(h.train, K, seed=1000 + s)):
-            fold_fit.append(fit)
-            fold_val.append(val)
-            d, ok = _dissimilarity(fit, cfg, jax.random.fold_in(emb_keys[s], f + 1))
-            fold_D.append(d)
-            fold_conv.append(ok)
-            fold_c.append(smoothness(fit, cfg.lam))
-    fold_c = np.asarray(fold_c)
-    cv_params, _ = train_many(
+    cv, _ = _train(
         factories["Karula"],
-        _stack(fold_fit),
-        jnp.asarray(np.stack(fold_D)),
-        jnp.asarray(fold_c[:, 0], jnp.float32),
-        jnp.asarray(fold_c[:, 1], jnp.float32),
+        fit,
+        val,
         jnp.repeat(run_keys, K),
-        rounds=cfg.rounds,
-        dim=dim,
-        t_grid=np.asarray(cfg.t_grid, np.float32),
+        constants(fit, fold_D),
+        cfg,
+        hyper={"t": np.asarray(cfg.t_grid, np.float32)},
     )
-    _, val_nll = evaluate(cv_params, _stack(fold_val), grid=True)  # [S*K, G, n]
-    score = val_nll.mean(axis=-1).reshape(S, K, -1).mean(axis=1)  # [S, G]
-    best = np.argmin(score, axis=1)
-    t_best = np.asarray(cfg.t_grid)[best]
+    sel = ev.select_by_cv(cv["nll"].mean(-1).reshape(S, K, -1))
+    t_best = np.asarray(cfg.t_grid)[sel.index]
     cv_time = time.perf_counter() - t0
-    print(
-        f"CV for t ({K} folds x {len(cfg.t_grid)} values) in {cv_time:.1f}s; chosen t per "
-        f"seed: {t_best.tolist()}"
-    )
+    print(f"CV for t ({K} folds x {len(cfg.t_grid)} values) in {cv_time:.1f}s: t = {t_best}")
 
     # ---- final fits on each seed's full training rows
-    rows, per_method = [], {}
+    rows = []
+    kwargs = constants(train, D)
     test_counts = np.asarray(test.counts, np.float64)  # [S, n]
     for name in METHODS:
         t0 = time.perf_counter()
-        extra = {"t": t_best} if name == "Karula" else {}
-        params, last_loss = train_many(
-            factories[name], train, D, L_f, L_max, run_keys, rounds=cfg.rounds, dim=dim, **extra
-        )
-        acc, nll = evaluate(params, test)  # [S, n]
+        extra = {"t": jnp.asarray(t_best, jnp.float32)} if name == "Karula" else {}
+        m, last_loss = _train(factories[name], train, test, run_keys, kwargs | extra, cfg)
+        acc = m["acc"]  # [S, n]
         runtime = time.perf_counter() - t0
-        per_method[name] = acc
-        mean_acc = acc.mean(axis=1)
         pooled = (acc * test_counts).sum(axis=1) / test_counts.sum(axis=1)
-        m, h = mean_2se(mean_acc)
-        pm, ph = mean_2se(pooled)
-        lm, lh = mean_2se(nll.mean(axis=1))
-        row = {
-            "method": name,
-            "test_acc": m,
-            "test_acc_2se": h,
-            "pooled_acc": pm,
-            "pooled_acc_2se": ph,
-            "test_logloss": lm,
-            "test_logloss_2se": lh,
-        }
-        for j, hn in enumerate(hosp):
-            hm, hh = mean_2se(acc[:, j])
-            row[f"acc_{hn}"] = hm
-            row[f"acc_{hn}_2se"] = hh
+        row = mean_se_columns(
+            {"method": name},
+            test_acc=acc.mean(axis=1),
+            pooled_acc=pooled,
+            test_logloss=m["nll"].mean(axis=1),
+            **{f"acc_{hn}": acc[:, j] for j, hn in enumerate(hosp)},
+        )
         row.update({"final_round_loss": float(np.mean(last_loss)), "runtime_s": runtime})
         rows.append(row)
         print(
-            f"{name:>7}: mean per-hospital test accuracy {m:.3f} ± {h:.3f}, pooled {pm:.3f} "
-            f"({runtime:.1f}s)"
+            f"{name:>7}: mean per-hospital test accuracy {row['test_acc']:.3f} ± "
+            f"{row['test_acc_2se']:.3f}, pooled {row['pooled_acc']:.3f} ({runtime:.1f}s)"
         )
 
     columns = [
@@ -408,8 +275,7 @@ def main(argv=None) -> dict:
         ("pooled_acc", "pooled test acc."),
         ("test_logloss", "mean per-hospital test log-loss"),
     ]
-    columns += [(f"acc_{hn}", hn) for hn in hosp]
-    columns += [("runtime_s", "runtime (s)")]
+    columns += [(f"acc_{hn}", hn) for hn in hosp] + [("runtime_s", "runtime (s)")]
     notes = [
         f"{S} seeds, seed s = train/test split s (25% of each hospital per class held out); "
         f"± is 2 standard errors over seeds. Logistic regression, lam = {cfg.lam:g}, "
@@ -435,9 +301,9 @@ def main(argv=None) -> dict:
     summary = {
         "config": dataclasses.asdict(cfg),
         "t_chosen": t_best,
-        "cv_score": score,
+        "cv_score": sel.score,
         "D_seed0": np.asarray(D[0]),
-        "embedding_converged": bool(all(conv) and all(fold_conv)),
+        "embedding_converged": converged,
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }

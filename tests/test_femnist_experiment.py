@@ -25,20 +25,6 @@ def test_library_rates_reproduce_the_papers_per_client_steps():
     assert all(doubled[m] == pytest.approx(2 * rates[m]) for m in rates)
 
 
-def test_active_fraction_counts_tight_and_violated_pairs():
-    rng = np.random.default_rng(0)
-    v = rng.normal(size=(5, 3))
-    sq = ((v[:, None] - v[None]) ** 2).sum(-1)
-    iu = np.triu_indices(5, 1)
-    D = np.ones((5, 5))
-    # brute force over pairs
-    for t in (0.0, np.median(sq[iu]), 10 * sq.max()):
-        want = np.mean([sq[i, j] >= (1 - 1e-3) * t for i, j in zip(*iu, strict=True)])
-        assert femnist.active_fraction(v, D, t) == pytest.approx(want)
-    assert femnist.active_fraction(v, D, 0.0) == 1.0
-    assert femnist.active_fraction(v, D, 1e9) == 0.0
-
-
 def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     summary = femnist.main(
         ["--quick", "--out", str(tmp_path), "--data-dir", str(shared_data_dir / "femnist")]

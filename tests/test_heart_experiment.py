@@ -24,24 +24,6 @@ def test_smoothness_matches_the_logistic_hessian_bound():
     np.testing.assert_allclose(L_f, np.max(alpha * np.array(L)) / 2, rtol=1e-6)
 
 
-def test_cv_folds_partition_each_clients_rows():
-    rng = np.random.default_rng(1)
-    xs = [rng.normal(size=(n, 2)).astype(np.float32) for n in (7, 12)]
-    ys = [rng.integers(0, 2, size=len(x)) for x in xs]
-    data = from_client_arrays(xs, ys, num_classes=2)
-    folds = H.cv_folds(data, 3, seed=0)
-    for i, x in enumerate(xs):
-        val_rows = np.concatenate(
-            [np.asarray(v.x)[i, : int(v.counts[i])] for _, v in folds], axis=0
-        )
-        # every row is validated exactly once
-        assert val_rows.shape == x.shape
-        np.testing.assert_array_equal(val_rows[np.lexsort(val_rows.T)], x[np.lexsort(x.T)])
-        for fit, val in folds:
-            assert int(fit.counts[i]) + int(val.counts[i]) == len(x)
-            assert fit.max_count == data.max_count
-
-
 def test_quick_run_writes_table(tmp_path, shared_data_dir):
     summary = H.main(
         ["--quick", "--out", str(tmp_path), "--data-dir", str(shared_data_dir / "heart_disease")]

@@ -1,68 +1,16 @@
-"""The synthetic ridge experiment: fold machinery, metrics, and a quick end-to-end run."""
+"""The synthetic ridge experiment: its data batch, config checks, quick end-to-end runs.
+
+Folds, CV selection and metrics are the library's (tests/test_evaluation.py)."""
 
 import csv
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pytest
 
 from experiments import synthetic_ridge as sr
-from karula_jax.data import from_client_arrays, synthetic_ridge
-
-
-def _toy(seed=0, sizes=(7, 12, 5), dim=3):
-    rng = np.random.default_rng(seed)
-    xs = [rng.normal(size=(m, dim)) for m in sizes]
-    ys = [rng.normal(size=m) for m in sizes]
-    return from_client_arrays(xs, ys), xs, ys
-
-
-def test_folds_partition_each_clients_rows_and_are_balanced():
-    data, xs, ys = _toy()
-    K = 3
-    folds = np.asarray(sr.fold_ids(data.counts, data.max_count, K, key=jax.random.key(0)))
-    train, val = sr.cv_splits(data, folds, K)
-    for i, x in enumerate(xs):
-        m = x.shape[0]
-        assert np.all(folds[i, m:] == -1)
-        sizes = np.bincount(folds[i, :m], minlength=K)
-        assert sizes.max() - sizes.min() <= 1
-        for f in range(K):
-            # Brute force: rows of fold f (validation) and the others (training), in order.
-            want_val = x[folds[i, :m] == f]
-            want_tr = x[folds[i, :m] != f]
-            nv, nt = int(val.counts[f, i]), int(train.counts[f, i])
-            assert (nv, nt) == (len(want_val), len(want_tr))
-            np.testing.assert_array_equal(np.asarray(val.x[f, i, :nv]), want_val.astype(np.float32))
-            np.testing.assert_array_equal(
-                np.asarray(train.x[f, i, :nt]), want_tr.astype(np.float32)
-            )
-            np.testing.assert_array_equal(
-                np.asarray(train.y[f, i, :nt]), ys[i][folds[i, :m] != f].astype(np.float32)
-            )
-            # Padding is zero, so nothing but masked rows could ever differ.
-            assert np.all(np.asarray(val.x[f, i, nv:]) == 0)
-            assert np.all(np.asarray(train.y[f, i, nt:]) == 0)
-
-
-def test_metrics_match_numpy():
-    data, xs, ys = _toy(1)
-    rng = np.random.default_rng(2)
-    theta = rng.normal(size=(3, 3)).astype(np.float32)
-    truth = rng.normal(size=(3, 3)).astype(np.float32)
-    r2 = np.asarray(sr.r2_per_client(theta, data))
-    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-        pred = x @ theta[i]
-        want = 1 - np.sum((y - pred) ** 2) / np.sum((y - y.mean()) ** 2)
-        assert r2[i] == pytest.approx(want, rel=1e-4, abs=1e-5)
-    sse, rows = sr.squared_error_sum(theta, data)
-    want = sum(np.sum((x @ theta[i] - y) ** 2) for i, (x, y) in enumerate(zip(xs, ys, strict=True)))
-    assert float(sse) == pytest.approx(want, rel=1e-4)
-    assert int(rows) == sum(len(y) for y in ys)
-    err = float(sr.estimation_error(theta, truth))
-    assert err == pytest.approx(np.mean(np.sum((theta - truth) ** 2, axis=1)), rel=1e-5)
+from karula_jax.data import synthetic_ridge
 
 
 def test_config_rejects_bad_values():
@@ -156,10 +104,8 @@ def test_batch_holds_normalized_true_and_population_D():
 
 
 def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
-    from experiments import synthetic_sensitivity as ss
-
     settings = {"grouped": {"group_feature_std": 0.3}}
-    rows = ss.run_sensitivity(sr.quick_config(2), tmp_path, settings)
+    rows = sr.run_sensitivity(sr.quick_config(2), tmp_path, settings)
     assert [r["setting"] for r in rows] == ["grouped"]
     sub = json.loads((tmp_path / "grouped" / "config.json").read_text())
     assert sub["config"]["generator"] == {"group_feature_std": 0.3}
@@ -168,4 +114,6 @@ def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
     for m in sr.METHODS:
         assert float(row[m]) > 0 and float(row[m + "_2se"]) >= 0
     assert -1 <= float(row["spearman_D"]) <= 1
-    assert "group_feature_std=0.3" in (tmp_path / "summary.md").read_text()
+    md = (tmp_path / "summary.md").read_text()
+    assert "group_feature_std=0.3" in md
+    assert "`python -m experiments.synthetic_ridge --sensitivity`" in md
