@@ -23,9 +23,10 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
-from karula_jax.algorithms.karula import karula, radii_squared, variance_reduced_direction
+from karula_jax.algorithms.karula import karula, radii_squared
 from karula_jax.algorithms.pfedme import pfedme
 from karula_jax.algorithms.ridge import lipschitz_ridge
+from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 
 __all__ = [
     "Algorithm",
@@ -37,6 +38,7 @@ __all__ = [
     "fedsgd",
     "ifca",
     "ifca_assign",
+    "init_memory",
     "karula",
     "lipschitz_ridge",
     "local",

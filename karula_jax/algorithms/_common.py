@@ -407,3 +407,9 @@ def round_info(values, a_s, mask, finite):
         proj_converged=jnp.ones((), bool),
         finite=finite,
     )
+
+
+def own_params(state, data):
+    """``client_params`` of every method whose state holds each client's model."""
+    del data
+    return state.params

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
+from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 from karula_jax.data.clients import ClientData
 
 __all__ = ["fedavg", "fedsgd", "local"]
@@ -28,11 +29,6 @@ def _start(params, n: int, key_run, memory=()) -> FedState:
         key=key_run,
         round=jnp.zeros((), jnp.int32),
     )
-
-
-def _own_params(state: FedState, data: ClientData):
-    del data
-    return state.params
 
 
 def local(
@@ -95,7 +91,7 @@ def local(
         info = C.round_info(values, a_s, mask, C.all_finite(values, grads, params))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
 
 
 def fedsgd(
@@ -147,11 +143,8 @@ def fedsgd(
         if not memory:
             return _start(params, n, C.run_key(key))
         key_init, key_run = C.init_and_run_keys(key)
-        theta = C.broadcast(params, n)
         alpha = C.resolve_weights(weights, data)
-        everyone = jnp.arange(n, dtype=jnp.int32)
-        _, grads = C.participant_value_and_grads(loss, theta, data, everyone, key_init, B)
-        mem = jax.tree.map(lambda g: C.scale_rows(alpha, g), grads)
+        mem = init_memory(loss, C.broadcast(params, n), data, alpha, key_init, B)
         return _start(params, n, key_run, memory=mem)
 
     def round_fn(state: FedState, data: ClientData):
@@ -162,12 +155,10 @@ def fedsgd(
         w = jax.tree.map(lambda p: p[0], state.params)
         mem = state.memory
         if memory:
+            # sum_i nu_i = mean(m) + sum_S (G_i - m_i) / s: Karula's estimate, summed
             G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
-            m_s = C.gather(mem, idx)
-            direction = jax.tree.map(
-                lambda m, g, ms: jnp.mean(m, axis=0) + jnp.sum(g - ms, axis=0) / s, mem, G, m_s
-            )
-            mem = C.scatter(mem, idx, G)
+            nu, mem = variance_reduced_direction(mem, G, idx)
+            direction = jax.tree.map(lambda v: jnp.sum(v, axis=0), nu)
         else:
             direction = C.weighted_mean(grads, a_s)
         w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
@@ -175,7 +166,7 @@ def fedsgd(
         info = C.round_info(values, a_s, mask, C.all_finite(values, grads, w))
         return state._replace(params=params, memory=mem, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
 
 
 def fedavg(
@@ -233,7 +224,7 @@ def fedavg(
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=_own_params)
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
 
 
 def _local_train(loss, params, data: ClientData, idx, key, steps, learning_rate, batch_size):

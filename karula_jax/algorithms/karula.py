@@ -20,9 +20,10 @@ import numpy as np
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
+from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 from karula_jax.data.clients import ClientData
 
-__all__ = ["karula", "radii_squared", "variance_reduced_direction"]
+__all__ = ["karula", "radii_squared"]
 
 
 def _check_dissimilarity(D) -> None:
@@ -50,30 +51,6 @@ def radii_squared(t, D) -> jnp.ndarray:
     D = jnp.asarray(D, dtype=jnp.float32)
     t = jnp.asarray(t, dtype=jnp.float32)
     return jnp.where((D == 0) | (t == 0), 0.0, t * D)
-
-
-def variance_reduced_direction(memory: Any, G: Any, idx: jnp.ndarray) -> tuple[Any, Any]:
-    """Karula's direction ``nu`` and the updated memory.
-
-    ``nu_i = m_i / n + 1[i in S] (G_i - m_i) / s``; over uniform draws of ``S`` its
-    mean is ``E[nu_i] = G_i / n`` (exactly ``alpha_i grad f_i / n`` with exact
-    gradients), whatever the memory holds.
-
-    Args:
-      memory: ``m``, pytree with leaves ``[n, ...]``.
-      G: the participants' weighted gradients, leaves ``[s, ...]``.
-      idx: participants, int array ``[s]`` without repeats.
-
-    Returns:
-      ``(nu, memory)``: leaves ``[n, ...]``; the memory rows ``idx`` replaced by ``G``.
-    """
-    s = idx.shape[0]
-
-    def leaf(m, g):
-        n = m.shape[0]
-        return (m / n).at[idx].add((g - m[idx]) / s)
-
-    return jax.tree.map(leaf, memory, G), C.scatter(memory, idx, G)
 
 
 def karula(
@@ -179,9 +156,7 @@ def karula(
         key_init, key_run = C.init_and_run_keys(key)
         theta = C.broadcast(params, n)
         alpha = C.resolve_weights(weights, data)
-        everyone = jnp.arange(n, dtype=jnp.int32)
-        _, grads = C.participant_value_and_grads(loss, theta, data, everyone, key_init, B)
-        memory = jax.tree.map(lambda g: C.scale_rows(alpha, g), grads)
+        memory = init_memory(loss, theta, data, alpha, key_init, B)
         proj_state = P.init_projection_state(
             theta, _radii(), personalized=personalized, method=projection_method
         )
@@ -222,8 +197,4 @@ def karula(
         )
         return new_state, info
 
-    def client_params(state: FedState, data: ClientData):
-        del data
-        return state.params
-
-    return Algorithm(init=init, round=round_fn, client_params=client_params)
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)

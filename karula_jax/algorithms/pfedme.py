@@ -127,8 +127,4 @@ def pfedme(
         info = C.round_info(values, a_s, mask, C.all_finite(values, thetas, w))
         return state._replace(params=params, extra=w, round=state.round + 1), info
 
-    def client_params(state: FedState, data: ClientData):
-        del data
-        return state.params
-
-    return Algorithm(init=init, round=round_fn, client_params=client_params)
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
