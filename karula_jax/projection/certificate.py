@@ -62,5 +62,5 @@ def _stop(delta, red, tol):
 
 def _delta(th, g, red, *, gram=False):
     """(restored theta, certified suboptimality) for a primal iterate and a dual bound."""
-    th = _restore(th, red.radius, offset=red.offset, gram=gram)
+    th = _restore(th, red.radius, gram=gram)
     return th, jnp.maximum(_primal(th, red) - g, 0.0)
