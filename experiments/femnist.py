@@ -31,7 +31,7 @@ from karula_jax import evaluation as ev
 from karula_jax.data import ClientData, client_weights, load_leaf
 from karula_jax.embedding import dissimilarities
 from karula_jax.stats import mean_and_se
-from karula_jax.training import run_many, vmap_algorithm
+from karula_jax.training import describe_diagnostics, run_many, vmap_algorithm
 
 __all__ = ["Config", "library_rates", "main", "run_experiment", "three_client_figure"]
 
@@ -277,6 +277,8 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
             f"{100 * acc.mean():.1f}% (seeds {np.round(100 * acc, 1).tolist()}), "
             f"{runtimes[name]:.1f}s, finite {np.all(res.info.finite, axis=0).tolist()}"
         )
+        if name == "karula":
+            print(f"         {describe_diagnostics(res.diagnostics)}")
 
     # IFCA: how many distinct cluster models the writers use at the end (1 = collapsed)
     leaves = [np.asarray(a).reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(finals["ifca"])]

@@ -22,7 +22,7 @@ from karula_jax import evaluation as ev
 from karula_jax import models
 from karula_jax.data import ClientData, load_heart_disease
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import run_many
+from karula_jax.training import describe_diagnostics, run_many
 
 __all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
 
@@ -149,6 +149,8 @@ def _train(make, train, evals, keys, kwargs, cfg, hyper=None):
         on_nonfinite="record",
         progress=False,
     )
+    if res.diagnostics["worst_proj_delta"] > 0 or res.diagnostics["unconverged_rounds"]:
+        print(f"    {describe_diagnostics(res.diagnostics)}", flush=True)
     return {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}, res.info.loss[-1]
 
 

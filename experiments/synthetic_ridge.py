@@ -32,7 +32,7 @@ from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
-from karula_jax.training import ProjectionNotConvergedWarning, run_many
+from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
 
 __all__ = [
     "DIAGNOSTICS",
@@ -323,6 +323,8 @@ def _train(make, grid, batch: Batch, sel: np.ndarray, cfg: SyntheticConfig) -> d
         )
     m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
     m["finite"] = np.asarray(res.info.finite).all(axis=0)
+    if res.diagnostics["unconverged_rounds"] or res.diagnostics["worst_proj_delta"] > 0:
+        print(f"    {describe_diagnostics(res.diagnostics)}", flush=True)
     expand = (lambda a: a) if grid else (lambda a: a[:, None])  # a grid axis of 1
     return {k: expand(v).reshape((cfg.seeds, -1) + expand(v).shape[1:]) for k, v in m.items()}
 

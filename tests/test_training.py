@@ -1050,3 +1050,20 @@ def test_real_karula_reports_unconverged_projection_and_fedavg_is_not_fedsgd(tmp
             resume=True,
             **kw,
         )
+
+
+def test_describe_diagnostics_names_the_rounds():
+    line = training.describe_diagnostics(
+        {
+            "num_rounds": 20,
+            "worst_proj_delta": 2.5e-3,
+            "max_proj_violation": 0.0,
+            "unconverged_rounds": list(range(10)),
+        }
+    )
+    assert "worst certified gap 0.0025" in line and "10 of 20 rounds unconverged" in line
+    assert "rounds 0, 1, 2, 3, 4, 5, 6, 7, ..." in line
+    clean = {"num_rounds": 5, "worst_proj_delta": 0.0, "max_proj_violation": 0.0}
+    assert "0 of 5 rounds unconverged" in training.describe_diagnostics(
+        clean | {"unconverged_rounds": []}
+    )

@@ -19,7 +19,11 @@ from karula_jax.training.batched import product_grid, run_many, vmap_algorithm
 from karula_jax.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from karula_jax.training.loop import RunResult, run, scan_rounds
 from karula_jax.training.progress import progress_bar
-from karula_jax.training.reports import ProjectionNotConvergedWarning, round_diagnostics
+from karula_jax.training.reports import (
+    ProjectionNotConvergedWarning,
+    describe_diagnostics,
+    round_diagnostics,
+)
 from karula_jax.training.sharding import client_mesh, shard_leading_axis
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "ProjectionNotConvergedWarning",
     "RunResult",
     "client_mesh",
+    "describe_diagnostics",
     "load_checkpoint",
     "product_grid",
     "progress_bar",

@@ -11,7 +11,7 @@ import numpy as np
 
 from karula_jax.algorithms.base import RoundInfo
 
-__all__ = ["ProjectionNotConvergedWarning", "round_diagnostics"]
+__all__ = ["ProjectionNotConvergedWarning", "describe_diagnostics", "round_diagnostics"]
 
 
 class ProjectionNotConvergedWarning(RuntimeWarning):
@@ -59,6 +59,19 @@ def round_diagnostics(info: RoundInfo | None) -> dict[str, Any]:
         "max_proj_violation": worst(info.proj_violation),
         "unconverged_rounds": np.flatnonzero(~converged).tolist(),
     }
+
+
+def describe_diagnostics(diagnostics: Mapping[str, Any]) -> str:
+    """One line for a log: the worst certified projection gap, the largest violation and
+    the rounds whose projection did not converge (from :func:`round_diagnostics`)."""
+    bad = diagnostics["unconverged_rounds"]
+    shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+    return (
+        f"projection: worst certified gap {diagnostics['worst_proj_delta']:.3g}, "
+        f"max violation {diagnostics['max_proj_violation']:.3g}, "
+        f"{len(bad)} of {diagnostics['num_rounds']} rounds unconverged"
+        + (f" (rounds {shown})" if bad else "")
+    )
 
 
 def warn_unconverged(diagnostics: Mapping[str, Any], *, stacklevel: int = 2) -> None:
