@@ -267,7 +267,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
             eval_data=(train, test),
             chunk_size=cfg.eval_every,
             on_nonfinite="record",
-            progress=False,
+            progress=True,
         )
         finals[name] = vmap_algorithm(lambda _alg=algs[name]: _alg).client_params(res.state, train)
         runtimes[name], results[name] = time.perf_counter() - t0, res

@@ -22,7 +22,7 @@ from karula_jax import evaluation as ev
 from karula_jax import models
 from karula_jax.data import ClientData, load_heart_disease
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import describe_diagnostics, run_many
+from karula_jax.training import describe_diagnostics, progress_bar, run_many
 
 __all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
 
@@ -250,7 +250,7 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     rows = []
     kwargs = constants(train, D)
     test_counts = np.asarray(test.counts, np.float64)  # [S, n]
-    for name in METHODS:
+    for name in progress_bar(METHODS, desc="final fits", unit="method"):
         t0 = time.perf_counter()
         extra = {"t": jnp.asarray(t_best, jnp.float32)} if name == "Karula" else {}
         m, last_loss = _train(factories[name], train, test, run_keys, kwargs | extra, cfg)

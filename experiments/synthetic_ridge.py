@@ -32,7 +32,12 @@ from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
-from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
+from karula_jax.training import (
+    ProjectionNotConvergedWarning,
+    describe_diagnostics,
+    progress_bar,
+    run_many,
+)
 
 __all__ = [
     "DIAGNOSTICS",
@@ -415,7 +420,10 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     if not batch.embedding_converged.all():
         log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
     specs = method_specs(cfg, int(batch.train.x.shape[2]))
-    results = {name: run_method(name, specs[name], batch, cfg, log=log) for name in METHODS}
+    results = {
+        name: run_method(name, specs[name], batch, cfg, log=log)
+        for name in progress_bar(METHODS, desc="methods", unit="method")
+    }
     if cfg.diagnostics:
         for name, D in zip(DIAGNOSTICS, (batch.D_true, batch.D_population), strict=True):
             results[name] = run_method(name, specs["Karula"], batch._replace(D=D), cfg, log=log)
