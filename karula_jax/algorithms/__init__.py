@@ -18,8 +18,14 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 * ``ifca(lr)``: ``fedavg`` inside the cluster each participant picks.
 * ``pfedme(lr)``: ``w_i <- w_i - lr lam (w_i - prox_i(w_i))``, a step on the client's
   Moreau envelope; the inner solve uses ``personal_learning_rate`` on ``f_i``.
+
+Round ``k`` draws its participants with :func:`sample_participants` and each participant's
+minibatches with :func:`client_batch` from ``split(fold_in(state.key, k))``; both are
+public so that code outside the compiled rounds (e.g. an eager reference loop) draws the
+same ones.
 """
 
+from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
@@ -34,6 +40,7 @@ __all__ = [
     "IFCAState",
     "LossFn",
     "RoundInfo",
+    "client_batch",
     "fedavg",
     "fedsgd",
     "ifca",
@@ -44,5 +51,6 @@ __all__ = [
     "local",
     "pfedme",
     "radii_squared",
+    "sample_participants",
     "variance_reduced_direction",
 ]

@@ -290,6 +290,18 @@ def client_batch(key, x, y, count, batch_size):
     Rows outside the mask are filled with a copy of the client's first real row, so
     padding values never reach the user's loss, even masked (a loss that multiplies
     by the mask would otherwise turn inf padding into NaN).
+
+    Args:
+      key: PRNG key of this client and step; in a round with minibatch key ``k``,
+        client ``i``'s step ``e`` uses ``fold_in(fold_in(k, i), e)`` (Karula, FedSGD and
+        the SAGA memory use step 0).
+      x: the client's padded features ``[N_max, ...]``; y: its targets ``[N_max, ...]``.
+      count: its number of real rows ``N_i``.
+      batch_size: ``B`` (static).
+
+    Returns:
+      ``(x_b, y_b, mask_b)`` with ``min(B, N_max)`` rows and a boolean mask of the rows
+      that enter the loss.
     """
     max_count = x.shape[0]
     if batch_size >= max_count:
