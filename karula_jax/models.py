@@ -16,11 +16,14 @@ the loss factories take::
     personal = output_layer_mask(params)  # True on params["params"]["output"] only
 
 Linear models use a flat vector ``theta: [d]`` (ridge) or ``{"w": [d], "b": []}``
-(logistic regression) and need no flax.
+(logistic regression) and need no flax. Their losses carry ``loss.smoothness(data)``, each
+client's Lipschitz constant of ``grad f_i`` read off its data (:func:`ridge_smoothness`,
+:func:`logistic_smoothness`), which Karula's default step size uses.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,9 +46,11 @@ __all__ = [
     "linear_params",
     "logistic_accuracy",
     "logistic_loss",
+    "logistic_smoothness",
     "mlp",
     "output_layer_mask",
     "ridge_loss",
+    "ridge_smoothness",
 ]
 
 ApplyFn = Callable[[Any, jnp.ndarray], jnp.ndarray]
@@ -217,7 +222,8 @@ def ridge_loss(lam: float) -> Callable:
 
     Returns:
       ``loss(theta [d], x [B, d], y [B], mask [B]) -> []`` equal to
-      ``sum_b mask_b (x_b . theta - y_b)^2 / (2 max(sum mask, 1)) + lam/2 ||theta||^2``.
+      ``sum_b mask_b (x_b . theta - y_b)^2 / (2 max(sum mask, 1)) + lam/2 ||theta||^2``,
+      with the attribute ``loss.smoothness(data) = ridge_smoothness(data, lam)``.
     """
     lam = _check_lam(lam)
 
@@ -225,7 +231,59 @@ def ridge_loss(lam: float) -> Callable:
         resid = x @ theta - y
         return 0.5 * _masked_mean(resid**2, mask) + 0.5 * lam * jnp.sum(theta**2)
 
+    loss.smoothness = functools.partial(ridge_smoothness, lam=lam)
     return loss
+
+
+def _gram_max_eig(data, intercept: bool) -> jnp.ndarray:
+    """``lambda_max(Z_i^T Z_i / N_i)`` per client, ``Z_i = X_i`` or ``[X_i, 1]``; ``[n]``."""
+    x = jnp.asarray(data.x)
+    if x.ndim != 3:
+        raise ValueError(f"data.x must have shape [n, N_max, d], got {x.shape}")
+    mask = data.mask
+    x = jnp.where(mask[..., None], x, 0.0)  # padding never counts, even if it holds inf
+    if intercept:
+        x = jnp.concatenate([x, mask[..., None].astype(x.dtype)], axis=-1)
+    counts = jnp.maximum(jnp.asarray(data.counts, x.dtype), 1.0)
+    gram = jnp.einsum("nki,nkj->nij", x, x) / counts[:, None, None]
+    return jnp.linalg.eigvalsh(gram)[:, -1]
+
+
+def ridge_smoothness(data, lam) -> jnp.ndarray:
+    """Each client's Lipschitz constant of ``grad f_i`` for :func:`ridge_loss`.
+
+    ``f_i(theta) = mean_i (x . theta - y)^2 / 2 + lam/2 ||theta||^2`` has the constant
+    Hessian ``X_i^T X_i / N_i + lam I``, so ``L_i = lambda_max(X_i^T X_i / N_i) + lam``
+    exactly (``lam`` for a client without rows). Traceable (``data`` and ``lam`` may be
+    traced, e.g. vmapped over folds); float64 with checks: ``lipschitz_ridge``.
+
+    Args:
+      data: a ``ClientData`` with ``x`` of shape ``[n, N_max, d]``.
+      lam: the ridge penalty ``>= 0``.
+
+    Returns:
+      ``L_i``, array of shape ``[n]``.
+    """
+    return _gram_max_eig(data, intercept=False) + _check_lam(lam)
+
+
+def logistic_smoothness(data, lam) -> jnp.ndarray:
+    """Each client's Lipschitz constant of ``grad f_i`` for :func:`logistic_loss`.
+
+    With ``z_i = [x_i, 1]`` (the bias is a parameter) the Hessian of ``f_i`` in ``(w, b)``
+    is ``mean_i sigma'(z . (w, b)) z z^T + diag(lam I, 0)`` and ``sigma' <= 1/4``, so
+    ``L_i = lambda_max(Z_i^T Z_i / (4 N_i)) + lam`` bounds it everywhere (equality up to
+    the unpenalized bias at ``w = 0, b = 0``, where every ``sigma' = 1/4``). Traceable;
+    float64 with checks: ``lipschitz_logistic``.
+
+    Args:
+      data: a ``ClientData`` with ``x`` of shape ``[n, N_max, d]``.
+      lam: the L2 penalty ``>= 0``.
+
+    Returns:
+      ``L_i``, array of shape ``[n]``.
+    """
+    return _gram_max_eig(data, intercept=True) / 4 + _check_lam(lam)
 
 
 def linear_params(dim: int, dtype=jnp.float32) -> dict:
@@ -244,7 +302,8 @@ def logistic_loss(lam: float) -> Callable:
     Returns:
       ``loss(params, x [B, d], y [B], mask [B]) -> []`` with ``params = {"w": [d], "b": []}``
       and labels ``y`` in ``{0, 1}``: the masked mean of
-      ``log(1 + exp(z)) - y z`` with ``z = x . w + b``, plus ``lam/2 ||w||^2``.
+      ``log(1 + exp(z)) - y z`` with ``z = x . w + b``, plus ``lam/2 ||w||^2``; with the
+      attribute ``loss.smoothness(data) = logistic_smoothness(data, lam)``.
     """
     lam = _check_lam(lam)
 
@@ -253,6 +312,7 @@ def logistic_loss(lam: float) -> Callable:
         nll = jax.nn.softplus(z) - y.astype(z.dtype) * z
         return _masked_mean(nll, mask) + 0.5 * lam * jnp.sum(params["w"] ** 2)
 
+    loss.smoothness = functools.partial(logistic_smoothness, lam=lam)
     return loss
 
 

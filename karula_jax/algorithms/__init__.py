@@ -9,7 +9,8 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 
 * ``karula(eta)``: ``theta <- P_K(theta - eta nu)`` with ``E[nu_i] = alpha_i g_i / n``.
   At ``t = 0`` it equals ``fedsgd(memory=True)`` at ``eta / n``; at ``t = inf`` with
-  ``s = n`` it equals ``local`` at ``eta``.
+  ``s = n`` it equals ``local`` at ``eta``. ``eta=None`` (the default) is the rule of
+  :func:`karula_learning_rate`, derived in ``karula``'s docstring.
 * ``local(lr)``: ``theta_i <- theta_i - lr alpha_i g_i / n``.
 * ``fedsgd(lr)``: ``w <- w - lr sum_S alpha_i g_i / sum_S alpha_i`` (``memory=True``: the
   SAGA estimate of ``grad F``). Equals ``fedavg`` at ``lr`` with ``local_steps=1``.
@@ -29,28 +30,40 @@ from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
-from karula_jax.algorithms.karula import karula, radii_squared
+from karula_jax.algorithms.karula import KarulaExtra, karula, radii_squared
 from karula_jax.algorithms.pfedme import pfedme
-from karula_jax.algorithms.ridge import lipschitz_ridge
+from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
+from karula_jax.algorithms.step_size import (
+    client_smoothness,
+    karula_learning_rate,
+    smoothness_estimate,
+    stability_factor,
+)
 from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 
 __all__ = [
     "Algorithm",
     "FedState",
     "IFCAState",
+    "KarulaExtra",
     "LossFn",
     "RoundInfo",
     "client_batch",
+    "client_smoothness",
     "fedavg",
     "fedsgd",
     "ifca",
     "ifca_assign",
     "init_memory",
     "karula",
+    "karula_learning_rate",
+    "lipschitz_logistic",
     "lipschitz_ridge",
     "local",
     "pfedme",
     "radii_squared",
     "sample_participants",
+    "smoothness_estimate",
+    "stability_factor",
     "variance_reduced_direction",
 ]

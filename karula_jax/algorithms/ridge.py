@@ -1,4 +1,11 @@
-"""The Lipschitz constant behind Karula's step 3/(8L), for ridge regression."""
+"""Lipschitz constants of ``grad f`` on the product space for the linear models (float64).
+
+Karula's default step (:func:`karula_jax.algorithms.karula_learning_rate`) needs each
+client's constant ``L_i``; the losses of :mod:`karula_jax.models` compute them in JAX
+(``ridge_smoothness``, ``logistic_smoothness``). The functions here return the
+product-space constant of ``f(theta) = (1/n) sum_i alpha_i f_i(theta_i)`` in float64, with
+checks, for reporting and for steps chosen by hand.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,36 @@ import numpy as np
 from karula_jax.algorithms import _common as C
 from karula_jax.data.clients import ClientData, client_weights
 
-__all__ = ["lipschitz_ridge"]
+__all__ = ["lipschitz_logistic", "lipschitz_ridge"]
+
+
+def _product_space_constant(
+    data: ClientData, lam: float, weights, per_client: bool, *, intercept: bool, scale: float
+) -> float:
+    """``max_i alpha_i L_i`` (``/ n`` unless ``per_client``) with
+    ``L_i = scale * lambda_max(Z_i^T Z_i / N_i) + lam``, ``Z_i = X_i`` or ``[X_i, 1]``."""
+    if not isinstance(data, ClientData):
+        raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
+    C.check_nonnegative("lam", lam)
+    x = np.asarray(data.x, dtype=np.float64)
+    if x.ndim != 3:
+        raise ValueError(f"data.x must have shape [n, N_max, d], got {x.shape}")
+    counts = np.asarray(data.counts)
+    mask = np.arange(x.shape[1])[None, :] < counts[:, None]
+    x = np.where(mask[..., None], x, 0.0)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("data.x contains NaN or infinite values on real rows")
+    if intercept:
+        x = np.concatenate([x, mask[..., None].astype(np.float64)], axis=-1)
+    gram = np.einsum("nki,nkj->nij", x, x) / np.maximum(counts, 1)[:, None, None]
+    L_i = scale * np.linalg.eigvalsh(gram)[:, -1] + lam
+    if weights is None:
+        alpha = np.asarray(client_weights(counts), dtype=np.float64)
+    else:
+        C.check_weights(weights, x.shape[0])
+        alpha = np.asarray(weights, dtype=np.float64)
+    L = float(np.max(alpha * L_i))
+    return L if per_client else L / x.shape[0]
 
 
 def lipschitz_ridge(
@@ -21,14 +57,12 @@ def lipschitz_ridge(
     ``f(theta) = (1/n) sum_i alpha_i f_i(theta_i)`` has a block-diagonal Hessian with
     blocks ``alpha_i (X_i^T X_i / N_i + lam I) / n``, so
     ``L = max_i alpha_i L_i / n`` with ``L_i = lambda_max(X_i^T X_i / N_i) + lam``.
-    DESIGN's step for Karula is then ``3 / (8 L)``.
+    Karula's default step is ``1 / L`` when every client participates and smaller with
+    client sampling (:func:`karula_jax.algorithms.karula_learning_rate`); the paper's
+    ``3 / (8L)`` can diverge with ``s < n`` and weakly coupled clients.
 
-    Caution: the paper's theorem assumes each ``alpha_i f_i`` is ``L``-smooth, i.e.
-    ``L_paper = max_i alpha_i L_i = n * L`` (``per_client=True``), which gives an ``n``
-    times smaller step. With ``s < n`` and weakly coupled clients (large ``t``) the
-    larger step ``3 / (8 L)`` can diverge: on ``synthetic_ridge(0)`` (n = 30, s = 10,
-    full gradients, D = inf) Karula diverged at ``3/(8L)`` and converged at
-    ``0.66 * 3/(8L)`` and below; ``RoundInfo.finite`` reports it.
+    The paper's theorem assumes each ``alpha_i f_i`` is ``L``-smooth, i.e.
+    ``L_paper = max_i alpha_i L_i = n * L`` (``per_client=True``).
 
     A client without samples (``N_i = 0``) has ``f_i(theta) = lam/2 ||theta||^2`` (the
     masked mean of :func:`karula_jax.models.ridge_loss` over no row is 0), so its
@@ -49,23 +83,31 @@ def lipschitz_ridge(
         holding NaN/inf on real rows; every count 0 (with default weights); bad
         ``weights``.
     """
-    if not isinstance(data, ClientData):
-        raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
-    C.check_nonnegative("lam", lam)
-    x = np.asarray(data.x, dtype=np.float64)
-    if x.ndim != 3:
-        raise ValueError(f"data.x must have shape [n, N_max, d], got {x.shape}")
-    counts = np.asarray(data.counts)
-    mask = np.arange(x.shape[1])[None, :] < counts[:, None]
-    x = np.where(mask[..., None], x, 0.0)
-    if not np.all(np.isfinite(x)):
-        raise ValueError("data.x contains NaN or infinite values on real rows")
-    gram = np.einsum("nki,nkj->nij", x, x) / np.maximum(counts, 1)[:, None, None]
-    L_i = np.linalg.eigvalsh(gram)[:, -1] + lam
-    if weights is None:
-        alpha = np.asarray(client_weights(counts), dtype=np.float64)
-    else:
-        C.check_weights(weights, x.shape[0])
-        alpha = np.asarray(weights, dtype=np.float64)
-    L = float(np.max(alpha * L_i))
-    return L if per_client else L / x.shape[0]
+    return _product_space_constant(data, lam, weights, per_client, intercept=False, scale=1.0)
+
+
+def lipschitz_logistic(
+    data: ClientData, lam: float, weights=None, *, per_client: bool = False
+) -> float:
+    """Lipschitz constant of ``grad f`` on the product space, for logistic regression.
+
+    The loss is :func:`karula_jax.models.logistic_loss` on ``{"w": [d], "b": []}``. With
+    ``Z_i = [X_i, 1]`` (the intercept's column) the Hessian of ``f_i`` is
+    ``Z_i^T diag(sigma'(z)) Z_i / N_i + diag(lam I, 0)`` with ``sigma' <= 1/4``, so
+    ``L_i = lambda_max(Z_i^T Z_i / (4 N_i)) + lam`` bounds it everywhere (it is attained
+    up to the unpenalized bias at the zero model). As for :func:`lipschitz_ridge`,
+    ``L = max_i alpha_i L_i / n``, or ``max_i alpha_i L_i`` with ``per_client=True``.
+
+    Args:
+      data: clients with ``x`` of shape ``[n, N_max, d]`` (padded rows are ignored).
+      lam: L2 penalty on ``w``, ``>= 0``.
+      weights: optional ``alpha`` of shape ``[n]`` (default ``client_weights(counts)``).
+      per_client: return ``max_i alpha_i L_i`` instead.
+
+    Returns:
+      ``L`` as a Python float.
+
+    Raises:
+      As :func:`lipschitz_ridge`.
+    """
+    return _product_space_constant(data, lam, weights, per_client, intercept=True, scale=0.25)
