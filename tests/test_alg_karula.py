@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
+import chex
 import cvxpy as cp
 import jax
 import jax.numpy as jnp
@@ -37,15 +36,15 @@ from karula_jax.data import synthetic_ridge
 
 FULL = 64  # >= N_max: exact gradients
 ROUNDS = 1000
-TRACES = {"run": 0}
 
 
-@functools.partial(jax.jit, static_argnames=("s",))
-def run_karula(D, t, eta, key, data, *, s):
+def _run_karula(D, t, eta, key, data, *, s):
     """One compiled Karula run per participation size; D, t and eta are traced."""
-    TRACES["run"] += 1
     alg = karula(LOSS, D, t=t, learning_rate=eta, clients_per_round=s, batch_size=FULL)
     return scan_run(alg, zeros(), data, key, ROUNDS)
+
+
+run_karula = jax.jit(_run_karula, static_argnames=("s",))
 
 
 def _eta(data) -> float:
@@ -177,9 +176,10 @@ def test_traced_t_grid_vmapped_and_compiled_once():
     eta = _eta(data)
     key = jax.random.key(6)
     ts = jnp.array([0.0, 0.5, jnp.inf])
-    before = TRACES["run"]
-    singles = [np.asarray(run_karula(D, t, eta, key, data, s=N_CLIENTS)[0].params) for t in ts]
-    assert TRACES["run"] - before <= 1  # new t values do not retrace
+    chex.clear_trace_counter()
+    counted = jax.jit(chex.assert_max_traces(_run_karula, n=1), static_argnames=("s",))
+    # new t values do not retrace (a second trace raises)
+    singles = [np.asarray(counted(D, t, eta, key, data, s=N_CLIENTS)[0].params) for t in ts]
 
     grid = jax.jit(jax.vmap(lambda t: run_karula(D, t, eta, key, data, s=N_CLIENTS)[0].params))(ts)
     np.testing.assert_allclose(np.asarray(grid), np.stack(singles), rtol=1e-4, atol=1e-5)
