@@ -6,11 +6,11 @@ tolerances that float32 can honestly reach.
 """
 
 import chex
-import cvxpy as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _projection_reference import cvxpy_projection
 
 from karula_jax import projection as proj
 from karula_jax.projection import api as proj_api
@@ -38,21 +38,6 @@ def _instance(seed, n, p, kind="groups"):
     return v, radii_sq
 
 
-def _cvxpy(v, radii_sq):
-    n, p = v.shape
-    th = cp.Variable((n, p))
-    cons = []
-    for i in range(n):
-        for j in range(i + 1, n):
-            if radii_sq[i, j] == 0:
-                cons.append(th[i] == th[j])
-            elif np.isfinite(radii_sq[i, j]):
-                cons.append(cp.norm(th[i] - th[j]) <= np.sqrt(radii_sq[i, j]))
-    prob = cp.Problem(cp.Minimize(0.5 * cp.sum_squares(th - v)), cons)
-    prob.solve(solver=cp.CLARABEL, tol_gap_abs=1e-9, tol_gap_rel=1e-9, tol_feas=1e-9)
-    return th.value, prob.value
-
-
 def _objective(th, v):
     return 0.5 * float(np.sum((np.asarray(th, np.float64) - v) ** 2))
 
@@ -70,7 +55,7 @@ def _max_violation(th, radii_sq):
 @pytest.mark.parametrize("method", SOLVERS)
 def test_matches_cvxpy_float64(method, kind):
     v, radii_sq = _instance(1, 8, 5, kind)
-    ref, ref_val = _cvxpy(v, radii_sq)
+    ref, ref_val = cvxpy_projection(v, radii_sq)
     with jax.enable_x64(True):
         th, info = proj.project(
             jnp.asarray(v), jnp.asarray(radii_sq), method=method, tol=1e-12, max_iter=20000
@@ -101,7 +86,7 @@ def test_zero_radii_merge_clients_exactly():
 def test_p_larger_than_n_and_solvers_agree_float64():
     # p > n exercises the rotation onto the span of the models.
     v, radii_sq = _instance(3, 6, 40, "groups")
-    ref, ref_val = _cvxpy(v, radii_sq)
+    ref, ref_val = cvxpy_projection(v, radii_sq)
     with jax.enable_x64(True):
         outs = [
             proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method=m, tol=1e-12, max_iter=20000)
@@ -116,7 +101,7 @@ def test_p_larger_than_n_and_solvers_agree_float64():
 @pytest.mark.parametrize("method", SOLVERS)
 def test_float32_default_path(method):
     v, radii_sq = _instance(4, 8, 5, "groups")
-    ref, ref_val = _cvxpy(v, radii_sq)
+    ref, ref_val = cvxpy_projection(v, radii_sq)
     th, info = proj.project(
         jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq, jnp.float32), max_iter=5000
     )
@@ -134,7 +119,7 @@ def test_float32_default_path(method):
 
 def test_delta_bounds_suboptimality_of_inexact_solutions():
     v, radii_sq = _instance(5, 8, 5, "groups")
-    _, ref_val = _cvxpy(v, radii_sq)
+    _, ref_val = cvxpy_projection(v, radii_sq)
     with jax.enable_x64(True):
         for method, its in (("dykstra", (10, 30)), ("laplacian", (1, 3))):
             for max_iter in its:
@@ -182,7 +167,7 @@ def test_personalized_and_shared_leaves():
         # all leaves personalized: one joint norm over both leaves
         split = {"w": jnp.asarray(v[:, :3].reshape(8, 3, 1)), "b": jnp.asarray(v[:, 3:])}
         both, _ = proj.project(split, jnp.asarray(radii_sq), method="laplacian", tol=1e-12)
-    ref, _ = _cvxpy(v, radii_sq)
+    ref, _ = cvxpy_projection(v, radii_sq)
     np.testing.assert_allclose(th["b"], np.broadcast_to(shared.mean(0), (8, 2)), atol=1e-12)
     np.testing.assert_allclose(th["w"], ref, atol=1e-5 * np.abs(ref).max())
     joint = np.concatenate([np.asarray(both["w"]).reshape(8, 3), both["b"]], axis=1)
