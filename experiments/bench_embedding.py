@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from experiments.report import DATA_DIR, RESULTS
+from experiments.report import DATA_DIR, RESULTS, markdown_table, publish
 from karula_jax.data import load_leaf, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.evaluation import exact_pairwise_w1, pairwise_sq_distances, spearman_offdiag
@@ -115,14 +115,10 @@ def main(argv=None) -> None:
             "draw + vmapped Sinkhorn + pairwise D); exact_s = `ot.emd2` for all pairs "
             "(single-threaded, float64); ratio = exact_s / run_s; spearman = rank correlation "
             "of D with exact W1 over all pairs; true models: ||theta_i* - theta_j*||^2.\n",
-            f"| {HEAD} |",
-            "|" + "---|" * (HEAD.count("|") + 1),
-            *(f"| {r} |" for r in rows),
+            markdown_table(HEAD, rows),
         ]
     )
-    print(text)
-    if not args.quick:
-        args.out.write_text(text + "\n")
+    publish(text, args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS
+from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import projection
 from karula_jax.training import progress_bar
 
@@ -153,14 +153,10 @@ def main(argv=None) -> None:
             "suboptimality (cvxpy: its objective minus karula_jax's best float64 dual bound). "
             "Relative violation: max_ij (||theta_i - theta_j|| - r_ij)+ / max r_ij, from "
             "explicit float64 differences. cvxpy's time includes building the problem.\n",
-            f"| {head} |",
-            "|" + "---|" * (head.count("|") + 1),
-            *(f"| {r} |" for r in rows),
+            markdown_table(head, rows),
         ]
     )
-    print(text)
-    if not args.quick:
-        args.out.write_text(text + "\n")
+    publish(text, args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

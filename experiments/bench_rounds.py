@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS
+from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection, training
 from karula_jax.data import client_weights, from_client_arrays
@@ -182,11 +182,6 @@ def bench(cfg: RoundsConfig) -> tuple[list[str], list[str]]:
     return rows, proj_rows
 
 
-def md_table(head: str, rows: list[str]) -> str:
-    rule = "|" + "---|" * (head.count("|") + 1)
-    return "\n".join([f"| {head} |", rule, *(f"| {r} |" for r in rows)])
-
-
 HEAD = (
     "method | compile (s) | compiled round (ms) | rounds/s | eager round (ms) | speed-up vs eager"
     " | loop+jit round (ms) | speed-up vs loop+jit | max abs diff eager vs compiled"
@@ -208,12 +203,12 @@ def to_markdown(cfg, quick, rows, proj_rows) -> str:
             "un-jitted `jax.value_and_grad` and `projection.project`; loop+jit: the same "
             "loop with both jitted; the last column compares the eager and compiled "
             "parameters after the same rounds.\n",
-            md_table(HEAD, rows),
+            markdown_table(HEAD, rows),
             "\nProjection share of a compiled Karula round: the same compiled chunk of rounds "
             "with and without the projection (traced with `projection.project` replaced by "
             "the identity), timed alternately; share = 1 - without / with. Iterations, gap "
             "and violation: the compiled run.\n",
-            md_table(PROJ_HEAD, proj_rows),
+            markdown_table(PROJ_HEAD, proj_rows),
         ]
     )
 
@@ -224,10 +219,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "bench/rounds.md")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else RoundsConfig()
-    text = to_markdown(cfg, args.quick, *bench(cfg))
-    print(text)
-    if not args.quick:
-        args.out.write_text(text + "\n")
+    publish(to_markdown(cfg, args.quick, *bench(cfg)), args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

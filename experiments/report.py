@@ -85,6 +85,19 @@ def write_table(
     return table
 
 
+def markdown_table(head: str, rows: list[str]) -> str:
+    """A markdown table from a header and rows written as ``a | b | c`` (no outer bars)."""
+    rule = "|" + "---|" * (head.count("|") + 1)
+    return "\n".join([f"| {head} |", rule, *(f"| {row} |" for row in rows)])
+
+
+def publish(text: str, out: pathlib.Path, *, quick: bool) -> None:
+    """Prints a bench's report and writes it to ``out`` unless it was a quick run."""
+    print(text)
+    if not quick:
+        out.write_text(text + "\n")
+
+
 def write_json(obj: Any, path: pathlib.Path) -> None:
     """Writes ``obj`` as indented JSON (numpy scalars and arrays become lists)."""
 
