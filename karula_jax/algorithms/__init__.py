@@ -19,6 +19,13 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 * ``ifca(lr)``: ``fedavg`` inside the cluster each participant picks.
 * ``pfedme(lr)``: ``w_i <- w_i - lr lam (w_i - prox_i(w_i))``, a step on the client's
   Moreau envelope; the inner solve uses ``personal_learning_rate`` on ``f_i``.
+* ``ditto(lr)``: the global model is ``fedavg(lr)``; personal models take steps
+  ``v_i <- w + (v_i - plr g_i(v_i) - w) / (1 + plr lam)`` with ``plr =
+  personal_learning_rate`` (default ``lr``).
+* ``fedprox(lr)``: ``fedavg`` with local steps ``w_i <- w_i - lr (g_i + mu (w_i - w))``;
+  equals ``fedavg`` at ``mu = 0``.
+* ``scaffold(lr)``: ``E`` client steps ``y <- y - lr (g_i(y) - c_i + c)``, then
+  ``x <- x + global_learning_rate * mean_S (y_i - x)`` (alpha-weighted).
 
 Round ``k`` draws its participants with :func:`sample_participants` and each participant's
 minibatches with :func:`client_batch` from ``split(fold_in(state.key, k))``; both are
@@ -29,10 +36,13 @@ same ones.
 from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
+from karula_jax.algorithms.ditto import ditto
+from karula_jax.algorithms.fedprox import fedprox
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
 from karula_jax.algorithms.karula import KarulaExtra, karula, radii_squared
 from karula_jax.algorithms.pfedme import pfedme
 from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
+from karula_jax.algorithms.scaffold import scaffold
 from karula_jax.algorithms.step_size import (
     client_smoothness,
     karula_learning_rate,
@@ -50,7 +60,9 @@ __all__ = [
     "RoundInfo",
     "client_batch",
     "client_smoothness",
+    "ditto",
     "fedavg",
+    "fedprox",
     "fedsgd",
     "ifca",
     "ifca_assign",
@@ -63,6 +75,7 @@ __all__ = [
     "pfedme",
     "radii_squared",
     "sample_participants",
+    "scaffold",
     "smoothness_estimate",
     "stability_factor",
     "variance_reduced_direction",

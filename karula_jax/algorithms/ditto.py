@@ -1,0 +1,174 @@
+"""Ditto (Li, Hu, Beirami and Smith 2021): a FedAvg global model and proximal personal models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from karula_jax.algorithms import _common as C
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn
+from karula_jax.data.clients import ClientData
+
+__all__ = ["ditto"]
+
+
+def _shrink(lam, personal_learning_rate) -> jnp.ndarray:
+    """``1 / (1 + plr * lam)``, exactly 0 at ``lam = inf`` (also when ``plr = 0``)."""
+    lam = jnp.asarray(lam, jnp.float32)
+    plr = jnp.asarray(personal_learning_rate, jnp.float32)
+    safe = jnp.where(jnp.isinf(lam), 0.0, lam)
+    return jnp.where(jnp.isinf(lam), 0.0, 1.0 / (1.0 + plr * safe))
+
+
+def ditto(
+    loss: LossFn,
+    *,
+    lam,
+    learning_rate,
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int = 5,
+    personal_learning_rate=None,
+    personal_steps: int | None = None,
+    weights=None,
+    personalized: Any = None,
+) -> Algorithm:
+    """Ditto: a global model trained by FedAvg and one personal model per client.
+
+    Client ``i``'s personal model solves
+    ``v_i(w) = argmin_v f_i(v) + lam/2 ||v - w||^2`` around the global model ``w``,
+    and ``w`` itself is trained by :func:`fedavg`. One round, with ``S`` the ``s``
+    sampled clients and ``w`` the global model they receive:
+
+    1. Global: each participant takes ``E = local_steps`` SGD steps
+       ``w_i <- w_i - learning_rate * g_i(w_i)`` from ``w``; the server sets
+       ``w <- sum_S alpha_i w_i / sum_S alpha_i``. These are :func:`fedavg`'s steps
+       with the same keys, so ``w`` follows FedAvg's trajectory exactly.
+    2. Personal: each participant takes ``personal_steps`` steps on
+       ``f_i(v) + lam/2 ||v - w||^2`` from its current ``v_i``, the loss by a gradient
+       step and the penalty implicitly (a proximal step, stable for every ``lam``)::
+
+           v_i <- (v_i - plr * g_i(v_i) + plr * lam * w) / (1 + plr * lam)
+                = w + (v_i - plr * g_i(v_i) - w) / (1 + plr * lam)
+
+       with ``plr = personal_learning_rate``. Its fixed point satisfies
+       ``grad f_i(v) + lam (v - w) = 0``. ``lam = 0`` is local training of ``v_i`` on
+       ``f_i`` alone; ``lam = inf`` gives ``v_i = w`` exactly. Non-participants keep
+       their ``v_i``.
+
+    Minibatches: global step ``e`` of client ``i`` uses the rows of :func:`fedavg`
+    (``fold_in(fold_in(k, i), e)`` with ``k`` the round's minibatch key); personal
+    step ``e`` uses ``fold_in(fold_in(k', i), e)`` with ``k'`` the second half of
+    ``split(k)``, an independent stream.
+
+    Partial personalization: with a ``personalized`` mask only its True leaves form
+    the personal model; False leaves of every client's model are the global model's
+    (as if ``lam = inf`` on them).
+
+    Fixed point with ``E = 1``, full participation and exact gradients: ``w`` is
+    ``argmin_w sum_i alpha_i f_i(w)`` and, for a quadratic
+    ``f_i(v) = v^T A_i v / 2 - b_i^T v``, ``v_i = (A_i + lam I)^{-1} (b_i + lam w)``.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      lam: proximal weight ``lam >= 0``, may be ``inf``; may be traced.
+      learning_rate: FedAvg's local step size ``>= 0``; may be traced.
+      clients_per_round: ``s`` (static).
+      batch_size: ``B`` (static).
+      local_steps: ``E`` (static), FedAvg's local steps, default 5.
+      personal_learning_rate: ``plr >= 0`` of the personal steps; may be traced.
+        ``None``: ``learning_rate``.
+      personal_steps: number of personal steps per round (static). ``None``:
+        ``local_steps``.
+      weights: optional ``alpha`` of shape ``[n]``.
+      personalized: optional pytree of bools like ``params``: the leaves that form the
+        personal model. ``None``: every leaf (Ditto as published).
+
+    Returns:
+      An :class:`Algorithm`; ``state.params`` are the clients' models ``[n, ...]``
+      (personal leaves ``v_i``, the others the global model), ``state.extra`` is the
+      global model ``w`` (no client axis), and ``client_params`` returns
+      ``state.params``. ``RoundInfo.loss`` is the participants' loss at their personal
+      models on the first personal minibatch.
+    """
+    C.check_nonnegative("lam", lam, allow_inf=True)
+    C.check_nonnegative("learning_rate", learning_rate)
+    s = C.check_positive_int("clients_per_round", clients_per_round)
+    B = C.check_positive_int("batch_size", batch_size)
+    E = C.check_positive_int("local_steps", local_steps)
+    plr = learning_rate if personal_learning_rate is None else personal_learning_rate
+    C.check_nonnegative("personal_learning_rate", plr)
+    P = E if personal_steps is None else C.check_positive_int("personal_steps", personal_steps)
+    C.check_weights(weights)
+
+    def flags_like(params):
+        if personalized is None:
+            return jax.tree.map(lambda _: True, params)
+        return jax.tree.map(bool, personalized)
+
+    def combine(flags, v, w):
+        """Personal leaves from ``v``, the others from ``w`` (same shapes)."""
+        return jax.tree.map(lambda f, a, b: a if f else b, flags, v, w)
+
+    def client(w, v, x, y, count, key_global, key_personal):
+        w_i, _ = C.local_sgd(
+            loss, w, x, y, count, key_global, steps=E, learning_rate=learning_rate, batch_size=B
+        )
+        flags = flags_like(w)
+        shrink = _shrink(lam, plr)
+
+        def step(v, e):
+            xb, yb, mb = C.client_batch(jax.random.fold_in(key_personal, e), x, y, count, B)
+            value, g = jax.value_and_grad(loss)(v, xb, yb, mb)
+
+            def leaf(f, a, b, c):
+                if not f:
+                    return c
+                return (c + shrink * (a - plr * b - c)).astype(a.dtype)
+
+            return jax.tree.map(leaf, flags, v, g, w), value
+
+        v, values = lax.scan(step, combine(flags, v, w), jnp.arange(P))
+        return w_i, v, values[0]
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
+        C.check_mask("personalized", personalized, params)
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        w = jax.tree.map(jnp.asarray, params)
+        return FedState(
+            params=C.broadcast(w, n),
+            memory=(),
+            proj_state=(),
+            extra=w,
+            key=C.run_key(key),
+            round=jnp.zeros((), jnp.int32),
+        )
+
+    def round_fn(state: FedState, data: ClientData):
+        n = data.num_clients
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        w = state.extra
+        keys_global = C.client_keys(key_batch, idx)
+        keys_personal = C.client_keys(jax.random.split(key_batch)[1], idx)
+        w_rows, v_rows, values = jax.vmap(client, in_axes=(None, 0, 0, 0, 0, 0, 0))(
+            w,
+            C.gather(state.params, idx),
+            data.x[idx],
+            data.y[idx],
+            data.counts[idx],
+            keys_global,
+            keys_personal,
+        )
+        a_s = alpha[idx]
+        w = C.weighted_mean(w_rows, a_s)
+        personal = C.scatter(state.params, idx, v_rows)
+        params = combine(flags_like(w), personal, C.broadcast(w, n))
+        info = C.round_info(values, a_s, mask, C.all_finite(values, w_rows, v_rows, w))
+        return state._replace(params=params, extra=w, round=state.round + 1), info
+
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)

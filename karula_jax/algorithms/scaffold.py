@@ -1,0 +1,154 @@
+"""SCAFFOLD (Karimireddy et al. 2020): FedAvg with control variates against client drift."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from karula_jax.algorithms import _common as C
+from karula_jax.algorithms.base import Algorithm, FedState, LossFn
+from karula_jax.data.clients import ClientData
+
+__all__ = ["scaffold"]
+
+
+def scaffold(
+    loss: LossFn,
+    *,
+    learning_rate,
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int = 5,
+    global_learning_rate=1.0,
+    weights=None,
+    personalized: Any = None,
+) -> Algorithm:
+    """SCAFFOLD with option II control variates.
+
+    The server keeps the global model ``x`` and a control ``c``; client ``i`` keeps a
+    control ``c_i`` (all controls start at 0). One round, with ``S`` the ``s`` sampled
+    clients, ``lr = learning_rate`` and ``E = local_steps``:
+
+    1. Each participant starts from ``y = x`` and takes ``E`` corrected SGD steps
+       (a fresh minibatch each, the keys of :func:`fedavg`)::
+
+           y <- y - lr * (g_i(y) - c_i + c)
+
+    2. It updates its control (option II) ``c_i+ = c_i - c + (x - y) / (E lr)``.
+    3. The server moves ``x <- x + global_learning_rate * sum_S alpha_i (y_i - x) /
+       sum_S alpha_i`` and ``c <- c + sum_S alpha_i (c_i+ - c_i) / sum_i alpha_i``.
+
+    With equal weights the last update is the paper's ``c + (s/n) mean_S (c_i+ - c_i)``;
+    in general it keeps ``c = sum_i alpha_i c_i / sum_i alpha_i``, the weighting of
+    ``F = (1/n) sum_i alpha_i f_i``. The corrections ``c - c_i`` replace each client's
+    gradient drift by the server's estimate of ``grad F``, so with exact gradients the
+    fixed point is ``argmin F`` for every ``E`` (``y_i = x``, ``c_i = grad f_i(x)``,
+    ``c = grad F(x) = 0``), whereas :func:`fedavg` with ``E > 1`` stops elsewhere. While
+    all controls are 0 (the first round) a round equals FedAvg's at
+    ``global_learning_rate = 1``.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      learning_rate: local step size ``lr > 0``; may be traced (a traced 0 leaves the
+        controls unchanged instead of dividing by 0).
+      clients_per_round: ``s`` (static).
+      batch_size: ``B`` (static).
+      local_steps: ``E`` (static), default 5.
+      global_learning_rate: server step ``> 0`` on the averaged update, default 1;
+        may be traced.
+      weights: optional ``alpha`` of shape ``[n]``.
+      personalized: optional pytree of bools like ``params``: True leaves are kept by
+        each client and never averaged (as in :func:`fedavg`) and get no control
+        variate (their controls stay 0: plain local SGD on them).
+
+    Returns:
+      An :class:`Algorithm`; ``state.params`` holds each client's model (the global
+      model broadcast, plus personalized leaves), ``state.memory`` the client controls
+      ``c_i`` (leaves ``[n, ...]``) and ``state.extra`` the server control ``c`` (no
+      client axis).
+    """
+    C.check_positive("learning_rate", learning_rate)
+    s = C.check_positive_int("clients_per_round", clients_per_round)
+    B = C.check_positive_int("batch_size", batch_size)
+    E = C.check_positive_int("local_steps", local_steps)
+    C.check_positive("global_learning_rate", global_learning_rate)
+    C.check_weights(weights)
+
+    def flags_like(params):
+        if personalized is None:
+            return jax.tree.map(lambda _: False, params)
+        return jax.tree.map(bool, personalized)
+
+    def client(x0, correction, xd, yd, count, key):
+        """``E`` steps ``y <- y - lr (g(y) + correction)`` with ``correction = c - c_i``."""
+
+        def step(p, e):
+            xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), xd, yd, count, B)
+            value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
+            p = jax.tree.map(lambda a, b, d: a - learning_rate * (b + d), p, g, correction)
+            return p, value
+
+        y, values = lax.scan(step, x0, jnp.arange(E))
+        return y, values[0]
+
+    def init(params, data: ClientData, *, key) -> FedState:
+        C.check_params(loss, params, data)
+        C.check_mask("personalized", personalized, params)
+        n = data.num_clients
+        C.check_clients_per_round(s, n)
+        x = jax.tree.map(jnp.asarray, params)
+        zeros = jax.tree.map(jnp.zeros_like, x)
+        return FedState(
+            params=C.broadcast(x, n),
+            memory=C.broadcast(zeros, n),
+            proj_state=(),
+            extra=zeros,
+            key=C.run_key(key),
+            round=jnp.zeros((), jnp.int32),
+        )
+
+    def round_fn(state: FedState, data: ClientData):
+        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        a_s = alpha[idx]
+        c = state.extra
+        x_rows = C.gather(state.params, idx)
+        c_rows = C.gather(state.memory, idx)
+        correction = jax.tree.map(lambda ci, cs: cs[None] - ci, c_rows, c)
+        keys = C.client_keys(key_batch, idx)
+        y_rows, values = jax.vmap(client)(
+            x_rows, correction, data.x[idx], data.y[idx], data.counts[idx], keys
+        )
+        delta = jax.tree.map(lambda y, x: y - x, y_rows, x_rows)  # y_i - x, [s, ...]
+        denom = E * jnp.asarray(learning_rate, jnp.float32)
+        inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+        flags = flags_like(c)
+
+        def new_control(f, ci, d, cor):
+            # c_i+ = c_i - c + (x - y) / (E lr) = -(c - c_i) - (y - x) / (E lr)
+            return jnp.zeros_like(ci) if f else (-cor - inv * d).astype(ci.dtype)
+
+        c_plus = jax.tree.map(new_control, flags, c_rows, delta, correction)
+        total = jnp.sum(alpha)
+        c = jax.tree.map(
+            lambda cs, cp, ci: cs + jnp.tensordot(a_s, cp - ci, axes=1).astype(cs.dtype) / total,
+            c,
+            c_plus,
+            c_rows,
+        )
+        memory = C.scatter(state.memory, idx, c_plus)
+        step = C.weighted_mean(delta, a_s)
+
+        def new_params(f, p, y, d):
+            if f:
+                return p.at[idx].set(y)
+            return jnp.broadcast_to(p[0] + global_learning_rate * d, p.shape).astype(p.dtype)
+
+        params = jax.tree.map(new_params, flags, state.params, y_rows, step)
+        info = C.round_info(values, a_s, mask, C.all_finite(values, y_rows, c_plus, c))
+        new_state = state._replace(params=params, memory=memory, extra=c, round=state.round + 1)
+        return new_state, info
+
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
