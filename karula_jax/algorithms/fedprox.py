@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, LossFn
@@ -68,13 +70,14 @@ def fedprox(
     C.check_weights(weights)
 
     def client(w0, x, y, count, key):
-        def prox_loss(p, xb, yb, mb):
-            return loss(p, xb, yb, mb) + 0.5 * mu * C.tree_sq_dist(p, w0)
+        def step(p, e):
+            xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), x, y, count, B)
+            value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
+            p = jax.tree.map(lambda a, b, c: a - learning_rate * (b + mu * (a - c)), p, g, w0)
+            return p, value
 
-        # The proximal term is 0 at w0, so the first-step value is the plain loss.
-        return C.local_sgd(
-            prox_loss, w0, x, y, count, key, steps=E, learning_rate=learning_rate, batch_size=B
-        )
+        w, values = lax.scan(step, w0, jnp.arange(E))
+        return w, values[0]
 
     def init(params, data: ClientData, *, key):
         C.check_params(loss, params, data)
