@@ -26,6 +26,12 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
   equals ``fedavg`` at ``mu = 0``.
 * ``scaffold(lr)``: ``E`` client steps ``y <- y - lr (g_i(y) - c_i + c)``, then
   ``x <- x + global_learning_rate * mean_S (y_i - x)`` (alpha-weighted).
+* ``laplacian_penalty(eta)``: Karula's step with the projection replaced by the proximal
+  step of the penalty ``(mu/2) sum_{i<j} w_ij ||theta_i - theta_j||^2``:
+  ``theta <- (I + eta mu L)^{-1} (theta - eta nu)``. Equals ``karula`` at the same ``eta``
+  with ``t = inf`` at ``mu = 0`` and with ``t = 0`` at ``mu = inf``.
+* ``clustered_fedavg(lr)``: ``fedavg(lr)`` inside fixed groups of clients
+  (:func:`cluster_clients` of ``D``); one group equals ``fedavg``.
 
 Round ``k`` draws its participants with :func:`sample_participants` and each participant's
 minibatches with :func:`client_batch` from ``split(fold_in(state.key, k))``; both are
@@ -36,10 +42,12 @@ same ones.
 from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
+from karula_jax.algorithms.clustered import cluster_clients, clustered_fedavg
 from karula_jax.algorithms.ditto import ditto
 from karula_jax.algorithms.fedprox import fedprox
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
 from karula_jax.algorithms.karula import KarulaExtra, karula, radii_squared
+from karula_jax.algorithms.laplacian import graph_laplacian, graph_weights, laplacian_penalty
 from karula_jax.algorithms.pfedme import pfedme
 from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
 from karula_jax.algorithms.scaffold import scaffold
@@ -60,15 +68,20 @@ __all__ = [
     "RoundInfo",
     "client_batch",
     "client_smoothness",
+    "cluster_clients",
+    "clustered_fedavg",
     "ditto",
     "fedavg",
     "fedprox",
     "fedsgd",
+    "graph_laplacian",
+    "graph_weights",
     "ifca",
     "ifca_assign",
     "init_memory",
     "karula",
     "karula_learning_rate",
+    "laplacian_penalty",
     "lipschitz_logistic",
     "lipschitz_ridge",
     "local",

@@ -1,0 +1,494 @@
+"""The two ablations that use Karula's D differently: Laplacian penalty and clustered FedAvg.
+
+References are float64 numpy closed forms on the ridge problems of ``_alg_problems``
+(the penalized optimum solves one linear system; a group's FedAvg fixed point with one
+local step is its weighted ridge fit) and scipy's average linkage.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _alg_problems import (
+    DIM,
+    LAM,
+    LOSS,
+    N_CLIENTS,
+    alphas,
+    global_ridge,
+    intercept_loss,
+    problem,
+    quadratics,
+    scan_run,
+    true_dissimilarity,
+    zeros,
+)
+from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.spatial.distance import squareform
+
+from karula_jax.algorithms import (
+    cluster_clients,
+    clustered_fedavg,
+    fedavg,
+    graph_weights,
+    karula,
+    karula_learning_rate,
+    laplacian_penalty,
+)
+
+FULL = 64
+run = jax.jit(scan_run, static_argnums=(0, 4))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trace_counters():
+    chex.clear_trace_counter()
+
+
+def _weights64(D) -> np.ndarray:
+    """The documented default: exp(-D / median of the off-diagonal D), zero diagonal."""
+    D = np.asarray(D, np.float64)
+    off = ~np.eye(len(D), dtype=bool)
+    W = np.exp(-D / np.median(D[off]))
+    return np.where(off, W, 0.0)
+
+
+def _penalized_optimum(data, D, mu) -> np.ndarray:
+    """argmin (1/n) sum alpha_i f_i(theta_i) + (mu/2) sum_{i<j} w_ij ||theta_i - theta_j||^2."""
+    A, b = quadratics(data)
+    a = alphas(data)
+    n, d = b.shape
+    W = _weights64(D)
+    L = np.diag(W.sum(1)) - W
+    H = np.zeros((n * d, n * d))
+    for i in range(n):
+        H[i * d : (i + 1) * d, i * d : (i + 1) * d] = a[i] * A[i] / n
+    H += mu * np.kron(L, np.eye(d))
+    return np.linalg.solve(H, (a[:, None] * b / n).reshape(-1)).reshape(n, d)
+
+
+def _eta(data) -> float:
+    """1 / L with L = max_i alpha_i lambda_max(A_i) / n, the product-space smoothness."""
+    A, _ = quadratics(data)
+    return float(N_CLIENTS / np.max(alphas(data) * np.linalg.eigvalsh(A)[:, -1]))
+
+
+def _group_fit(data, sel) -> np.ndarray:
+    A, b = quadratics(data)
+    a = alphas(data)
+    return np.linalg.solve(np.einsum("n,nij->ij", a[sel], A[sel]), a[sel] @ b[sel])
+
+
+def _same_partition(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return np.array_equal(a[:, None] == a[None], b[:, None] == b[None])
+
+
+# --------------------------------------------------------------------------- graph weights
+
+
+def test_graph_weights_default_and_edge_cases():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((7, 2))
+    D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+    W = np.asarray(graph_weights(D), np.float64)
+    np.testing.assert_allclose(W, _weights64(D), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(W, W.T)
+    off = ~np.eye(7, dtype=bool)
+    # strictly decreasing in D over the pairs
+    iu = np.triu_indices(7, 1)
+    order = np.argsort(D[iu])
+    assert np.all(np.diff(W[iu][order]) < 0)
+    # the traced path (D under jit) gives the same weights
+    np.testing.assert_allclose(np.asarray(jax.jit(graph_weights)(D)), W, rtol=1e-5, atol=1e-7)
+    # D = 0 -> 1, D = inf -> 0, diagonal 0, n = 1 -> [[0]]
+    Z = np.zeros((4, 4))
+    np.testing.assert_array_equal(np.asarray(graph_weights(Z)), 1.0 - np.eye(4))
+    Dinf = np.array([[0.0, 1.0, np.inf], [1.0, 0.0, np.inf], [np.inf, np.inf, 0.0]])
+    Winf = np.asarray(graph_weights(Dinf))
+    np.testing.assert_allclose(Winf, [[0, np.exp(-1), 0], [np.exp(-1), 0, 0], [0, 0, 0]],
+                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(graph_weights(np.zeros((1, 1)))), [[0.0]])
+    # more than half the pairs identical: the bandwidth is the median of the positive ones
+    Dz = np.zeros((5, 5))
+    Dz[4, :4] = Dz[:4, 4] = [2.0, 4.0, 6.0, 8.0]  # median of the positive entries: 5
+    np.testing.assert_allclose(np.asarray(graph_weights(Dz))[4, 1], np.exp(-0.8), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(graph_weights)(Dz))[4, 1], np.exp(-0.8),
+                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(graph_weights(D, scale=2.0)),
+                               np.where(off, np.exp(-D / 2), 0), rtol=1e-6)  # fmt: skip
+    for bad in (np.ones((2, 3)), -np.ones((2, 2)), np.array([[0, 1], [2, 0.0]]),
+                np.array([[0, np.nan], [np.nan, 0]])):  # fmt: skip
+        with pytest.raises(ValueError, match="D must"):
+            graph_weights(bad)
+
+
+# --------------------------------------------------------------------------- Laplacian penalty
+
+
+def _run_penalty(D, mu, eta, key, data, s, rounds, B=FULL):
+    alg = laplacian_penalty(LOSS, D, mu=mu, learning_rate=eta, clients_per_round=s, batch_size=B)
+    return scan_run(alg, zeros(), data, key, rounds)
+
+
+def test_laplacian_penalty_reaches_closed_form_optimum_over_a_vmapped_mu_grid():
+    data = problem().train
+    D = true_dissimilarity()
+    eta = _eta(data)
+    mus = np.array([0.0, 0.003, 0.03, 1.0, np.inf, 1e8])
+    grid = jax.jit(
+        jax.vmap(lambda mu: _run_penalty(D, mu, eta, jax.random.key(1), data, N_CLIENTS, 2500)[0])
+    )(jnp.asarray(mus, jnp.float32))
+    thetas = np.asarray(grid.params, np.float64)
+    assert bool(jnp.all(jnp.isfinite(grid.params)))
+    local = _penalized_optimum(data, D, 0.0)
+    glob = np.broadcast_to(global_ridge(data), local.shape)
+    for mu, theta in zip(mus[:-1], thetas[:-1], strict=True):
+        ref = glob if np.isinf(mu) else _penalized_optimum(data, D, mu)
+        err = np.linalg.norm(theta - ref) / np.linalg.norm(ref)
+        assert err < 2e-5, (mu, err)
+    # the middle values are genuinely between local and global
+    mid = _penalized_optimum(data, D, 0.03)
+    assert min(np.linalg.norm(mid - local), np.linalg.norm(mid - glob)) > 0.1 * np.linalg.norm(
+        local - glob
+    )
+    # a huge finite mu is stable and near consensus
+    np.testing.assert_allclose(thetas[-1], glob, rtol=1e-4, atol=1e-4)
+
+
+def test_laplacian_penalty_partial_participation_reaches_optimum():
+    """s = 2 of 6 with exact gradients: SAGA memory makes the fixed point the optimum.
+
+    The step is Karula's default rule for s = 2 (0.13 / L here; 0.5 / L diverges)."""
+    data = problem().train
+    D = true_dissimilarity()
+    mu = 0.03
+    A, _ = quadratics(data)
+    eta = float(karula_learning_rate(np.linalg.eigvalsh(A)[:, -1], alphas(data), 2))
+    state, infos, _ = jax.jit(_run_penalty, static_argnums=(5, 6))(
+        D, mu, eta, jax.random.key(2), data, 2, 2000
+    )
+    ref = _penalized_optimum(data, D, mu)
+    theta = np.asarray(state.params, np.float64)
+    assert np.linalg.norm(theta - ref) / np.linalg.norm(ref) < 1e-4
+    assert int(infos.participants.sum(1).max()) == 2 and bool(jnp.all(infos.finite))
+
+
+def test_laplacian_penalty_limits_equal_karula():
+    """mu = 0 is Karula at t = inf, mu = inf Karula at t = 0: same lr, key, minibatches."""
+    data = problem().train
+    D = true_dissimilarity()
+    key = jax.random.key(3)
+    kw = dict(learning_rate=0.3, clients_per_round=2, batch_size=4)
+
+    def pen(mu):
+        return scan_run(laplacian_penalty(LOSS, D, mu=mu, **kw), zeros(), data, key, 40)[1:]
+
+    def kar(t):
+        return scan_run(karula(LOSS, D, t=t, **kw), zeros(), data, key, 40)[1:]
+
+    i1, t1 = jax.jit(jax.vmap(pen))(jnp.array([0.0, jnp.inf]))
+    i2, t2 = jax.jit(jax.vmap(kar))(jnp.array([jnp.inf, 0.0]))
+    np.testing.assert_array_equal(i1.participants, i2.participants)
+    np.testing.assert_allclose(np.asarray(i1.loss), np.asarray(i2.loss), rtol=1e-5)
+    t1, t2 = np.asarray(t1), np.asarray(t2)
+    # mu = 0: bit for bit (the proximal step is a no-op, as is the projection at t = inf)
+    np.testing.assert_array_equal(t1[0], t2[0])
+    # mu = inf: one model (the mean), Karula's t = 0 up to float rounding
+    assert np.ptp(t1[1], axis=1).max() <= 1e-6 * np.abs(t1[1]).max()
+    np.testing.assert_allclose(t1[1], t2[1], rtol=1e-5, atol=1e-5 * np.abs(t2[1]).max())
+
+
+def test_laplacian_penalty_disconnected_graph_at_infinite_mu_keeps_components():
+    """D = inf between groups: mu = inf is consensus within each component only."""
+    data = problem().train
+    groups = np.asarray(problem().groups)
+    D = np.where(groups[:, None] == groups[None], true_dissimilarity(), np.inf)
+    state, _, _ = jax.jit(_run_penalty, static_argnums=(5, 6))(
+        D, jnp.inf, _eta(data), jax.random.key(4), data, N_CLIENTS, 2500
+    )
+    theta = np.asarray(state.params, np.float64)
+    for g in np.unique(groups):
+        sel = groups == g
+        fit = np.broadcast_to(_group_fit(data, sel), theta[sel].shape)
+        np.testing.assert_allclose(theta[sel], fit, rtol=1e-4, atol=1e-5)
+
+
+def test_laplacian_penalty_shared_leaf_matches_closed_form():
+    """Personalized slopes w_i penalized on the graph, one shared intercept c."""
+    data = problem().train
+    D = true_dissimilarity()
+    n, d, mu = N_CLIENTS, DIM, 0.03
+    a = alphas(data)
+    x, y, counts = np.asarray(data.x, np.float64), np.asarray(data.y, np.float64), data.counts
+    # variables z = [w_1 .. w_n, c]; gradient of the objective is H z - g
+    H = np.zeros((n * d + 1, n * d + 1))
+    g = np.zeros(n * d + 1)
+    for i, N in enumerate(np.asarray(counts)):
+        Xa = np.concatenate([x[i, :N], np.ones((N, 1))], axis=1)
+        Ai = Xa.T @ Xa / N + LAM * np.eye(d + 1)
+        bi = Xa.T @ y[i, :N] / N
+        ix = np.r_[np.arange(i * d, (i + 1) * d), n * d]
+        H[np.ix_(ix, ix)] += a[i] * Ai / n
+        g[ix] += a[i] * bi / n
+    W = _weights64(D)
+    H[: n * d, : n * d] += mu * np.kron(np.diag(W.sum(1)) - W, np.eye(d))
+    z = np.linalg.solve(H, g)
+    alg = laplacian_penalty(intercept_loss, D, mu=mu, learning_rate=0.6 * _eta(data),
+                            clients_per_round=n, batch_size=FULL,
+                            personalized={"w": True, "c": False})  # fmt: skip
+    state, infos, _ = run(alg, {"w": zeros(), "c": jnp.zeros(())}, data, jax.random.key(5), 6000)
+    c = np.asarray(state.params["c"])
+    assert np.ptp(c) == 0.0
+    np.testing.assert_allclose(np.asarray(state.params["w"]), z[: n * d].reshape(n, d),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(c[0], z[-1], rtol=1e-4, atol=1e-4)
+    assert bool(jnp.all(infos.finite))
+
+
+def test_laplacian_penalty_one_round_with_custom_graph_weights():
+    """s = n, exact gradients: theta <- (I + eta mu L)^{-1} (theta - eta alpha_i g_i / n)."""
+    data = problem().train
+    n, eta, mu = N_CLIENTS, 0.2, 3.0
+    ring = np.roll(np.eye(n), 1, axis=1)
+    W = 0.5 * (ring + ring.T)
+    alg = laplacian_penalty(LOSS, true_dissimilarity(), mu=mu, learning_rate=eta,
+                            clients_per_round=n, batch_size=FULL,
+                            graph_weights=lambda D: jnp.asarray(W))  # fmt: skip
+    state = alg.init(zeros(), data, key=jax.random.key(13))
+    theta = np.random.default_rng(0).standard_normal((n, DIM))
+    state = state._replace(params=jnp.asarray(theta, jnp.float32))
+    new, info = jax.jit(alg.round)(state, data)
+    A, b = quadratics(data)
+    half = theta - eta * alphas(data)[:, None] * (np.einsum("nij,nj->ni", A, theta) - b) / n
+    L = np.diag(W.sum(1)) - W
+    expected = np.linalg.solve(np.eye(n) + eta * mu * L, half)
+    np.testing.assert_allclose(np.asarray(new.params), expected, rtol=1e-5, atol=1e-5)
+    assert bool(info.finite) and bool(info.participants.all())
+
+
+def test_laplacian_penalty_compiles_once_for_traced_mu_and_D():
+    """mu and D traced (D's spectrum then comes from jnp.linalg.eigh): one compilation."""
+    data = problem().train
+    D = true_dissimilarity()
+    eta = _eta(data)
+
+    def fn(D, mu, key, data):
+        return _run_penalty(D, mu, eta, key, data, N_CLIENTS, 2500)[0].params
+
+    counted = jax.jit(chex.assert_max_traces(fn, n=1))
+    for mu in (0.003, 1.0, 50.0):
+        theta = np.asarray(counted(jnp.asarray(D, jnp.float32), jnp.float32(mu),
+                                   jax.random.key(6), data), np.float64)  # fmt: skip
+        ref = _penalized_optimum(data, D, mu)
+        assert np.linalg.norm(theta - ref) / np.linalg.norm(ref) < 2e-5, mu
+
+
+# --------------------------------------------------------------------------- clustering
+
+
+def _planted(rng, sizes, between=(1.0, 2.0), within=(0.0, 0.3)):
+    labels = rng.permutation(np.repeat(np.arange(len(sizes)), sizes))
+    n = len(labels)
+    same = labels[:, None] == labels[None]
+    D = np.where(same, rng.uniform(*within, (n, n)), rng.uniform(*between, (n, n)))
+    D = np.triu(D, 1)
+    return D + D.T, labels
+
+
+@pytest.mark.parametrize("method", ["spectral", "agglomerative"])
+def test_cluster_clients_recovers_planted_groups(method):
+    rng = np.random.default_rng(7)
+    for sizes in [(2, 3, 4), (1, 5), (3, 3, 3, 3), (4, 1, 2)]:
+        D, planted = _planted(rng, sizes)
+        labels = cluster_clients(D, len(sizes), method=method)
+        assert labels.dtype == np.int32 and labels.shape == planted.shape
+        assert _same_partition(labels, planted), (sizes, labels, planted)
+        assert labels[0] == 0 and set(labels) == set(range(len(sizes)))
+    # infinite dissimilarities between the groups
+    D, planted = _planted(rng, (3, 2, 4))
+    D = np.where(planted[:, None] == planted[None], D, np.inf)
+    assert _same_partition(cluster_clients(D, 3, method=method), planted)
+    # k = 1 and k = n
+    assert np.all(cluster_clients(D, 1, method=method) == 0)
+    np.testing.assert_array_equal(cluster_clients(D, 9, method=method), np.arange(9))
+    assert np.array_equal(cluster_clients(np.zeros((1, 1)), 1, method=method), [0])
+    # deterministic
+    np.testing.assert_array_equal(cluster_clients(D, 2, method=method),
+                                  cluster_clients(D, 2, method=method))  # fmt: skip
+
+
+def test_cluster_clients_on_true_dissimilarity_finds_the_three_groups():
+    groups = np.asarray(problem().groups)
+    for method in ("spectral", "agglomerative"):
+        assert _same_partition(cluster_clients(true_dissimilarity(), 3, method=method), groups)
+
+
+def test_agglomerative_matches_scipy_average_linkage():
+    rng = np.random.default_rng(8)
+    for n in (2, 3, 5, 8, 13):
+        for _ in range(3):
+            X = rng.standard_normal((n, 3))
+            D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+            Z = linkage(squareform(D, checks=False), method="average")
+            for k in range(1, n + 1):
+                ours = cluster_clients(D, k, method="agglomerative")
+                ref = fcluster(Z, k, criterion="maxclust")
+                assert _same_partition(ours, ref), (n, k)
+                assert len(set(ours)) == k
+
+
+def test_spectral_keeps_every_group_nonempty_with_duplicate_clients():
+    D = np.zeros((5, 5))  # five identical clients
+    for k in range(1, 6):
+        labels = cluster_clients(D, k)
+        assert sorted(set(labels)) == list(range(k))
+
+
+# --------------------------------------------------------------------------- clustered FedAvg
+
+
+def test_clustered_fedavg_one_group_is_fedavg_and_n_groups_is_local_training():
+    data = problem().train
+    key = jax.random.key(9)
+    kw = dict(learning_rate=0.2, clients_per_round=3, batch_size=4, local_steps=2)
+    _, i1, t1 = run(clustered_fedavg(LOSS, np.zeros(N_CLIENTS, np.int32), **kw), zeros(), data,
+                    key, 40)  # fmt: skip
+    _, i2, t2 = run(fedavg(LOSS, **kw), zeros(), data, key, 40)
+    np.testing.assert_array_equal(i1.participants, i2.participants)
+    np.testing.assert_array_equal(np.asarray(i1.loss), np.asarray(i2.loss))
+    np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-6, atol=1e-7)
+    # k = n: every participant keeps its own E local steps (fedavg with everything personal)
+    _, _, t3 = run(clustered_fedavg(LOSS, np.arange(N_CLIENTS), **kw), zeros(), data, key, 40)
+    _, _, t4 = run(fedavg(LOSS, personalized=True, **kw), zeros(), data, key, 40)
+    np.testing.assert_allclose(np.asarray(t3), np.asarray(t4), rtol=1e-6, atol=1e-6)
+    assert np.ptp(np.asarray(t3)[-1], axis=0).max() > 0.1
+
+
+def test_clustered_fedavg_groups_reach_their_weighted_ridge_fits():
+    data = problem().train
+    labels = cluster_clients(true_dissimilarity(), 3)
+    A, _ = quadratics(data)
+    lr = 1.0 / np.linalg.eigvalsh(A)[:, -1].max()
+    alg = clustered_fedavg(LOSS, labels, learning_rate=lr, clients_per_round=N_CLIENTS,
+                           batch_size=FULL, local_steps=1)  # fmt: skip
+    state, infos, _ = run(alg, zeros(), data, jax.random.key(10), 600)
+    theta = np.asarray(state.params, np.float64)
+    for g in range(3):
+        sel = labels == g
+        fit = np.broadcast_to(_group_fit(data, sel), theta[sel].shape)
+        np.testing.assert_allclose(theta[sel], fit, rtol=1e-4, atol=1e-5)
+    assert bool(jnp.all(infos.finite))
+
+
+def test_clustered_fedavg_groups_without_participants_keep_their_model():
+    data = problem().train
+    labels = np.array([0, 0, 1, 1, 2, 2])
+    alg = clustered_fedavg(intercept_loss, labels, learning_rate=0.1, clients_per_round=1,
+                           batch_size=4, personalized={"w": False, "c": True})  # fmt: skip
+    s0 = alg.init({"w": zeros(), "c": jnp.zeros(())}, data, key=jax.random.key(11))
+    s1, info = jax.jit(alg.round)(s0, data)
+    part = np.asarray(info.participants)
+    moved_group = labels == labels[part][0]
+    w_moved = np.any(np.asarray(s1.params["w"] != s0.params["w"]), axis=1)
+    np.testing.assert_array_equal(w_moved, moved_group)
+    np.testing.assert_array_equal(np.asarray(s1.params["c"] != s0.params["c"]), part)
+    w1 = np.asarray(s1.params["w"])
+    np.testing.assert_array_equal(
+        w1[moved_group], np.broadcast_to(w1[part][0], w1[moved_group].shape)
+    )
+
+
+def test_clustered_fedavg_compiles_once_for_traced_labels_and_vmaps_over_k():
+    data = problem().train
+    D = true_dissimilarity()
+    key = jax.random.key(12)
+
+    def fn(labels, key, data):
+        alg = clustered_fedavg(LOSS, labels, learning_rate=0.2, clients_per_round=3,
+                               batch_size=4, local_steps=2)  # fmt: skip
+        return scan_run(alg, zeros(), data, key, 15)[0].params
+
+    counted = jax.jit(chex.assert_max_traces(fn, n=1))
+    stacked = np.stack([cluster_clients(D, k) for k in (1, 2, 3, 6)])
+    singles = np.stack([np.asarray(counted(jnp.asarray(lab), key, data)) for lab in stacked])
+    grid = jax.jit(jax.vmap(fn, in_axes=(0, None, None)))(jnp.asarray(stacked), key, data)
+    np.testing.assert_allclose(np.asarray(grid), singles, rtol=1e-5, atol=1e-6)
+    assert np.abs(singles[0] - singles[3]).max() > 1e-2  # k changes the result
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+D3 = np.ones((3, 3)) - np.eye(3)
+HP = {"learning_rate": 0.1, "clients_per_round": 2, "batch_size": 2}
+DATA3 = None
+
+
+def _data3():
+    from karula_jax.data import from_client_arrays
+
+    return from_client_arrays(
+        [np.ones((2, DIM)), np.zeros((3, DIM)), -np.ones((2, DIM))],
+        [np.ones(2), np.zeros(3), np.ones(2)],
+    )
+
+
+def _lap(**kw):
+    return laplacian_penalty(LOSS, kw.pop("D", D3), **{"mu": 1.0, **HP, **kw})
+
+
+def _clu(**kw):
+    return clustered_fedavg(LOSS, kw.pop("labels", np.array([0, 0, 1])), **{**HP, **kw})
+
+
+def _init(alg):
+    return alg.init(zeros(), _data3(), key=jax.random.key(0))
+
+
+CASES = [
+    ("mu negative", lambda: _lap(mu=-1.0), ValueError, "mu"),
+    ("mu nan", lambda: _lap(mu=np.nan), ValueError, "mu"),
+    ("mu string", lambda: _lap(mu="big"), TypeError, "mu"),
+    ("lap lr negative", lambda: _lap(learning_rate=-0.1), ValueError, "learning_rate"),
+    ("lap lr inf", lambda: _lap(learning_rate=np.inf), ValueError, "learning_rate"),
+    ("D not square", lambda: _lap(D=np.ones((3, 2))), ValueError, "D must be a square"),
+    ("D asymmetric", lambda: _lap(D=np.triu(D3)), ValueError, "D must be symmetric"),
+    ("D negative", lambda: _lap(D=-D3), ValueError, "D must be >= 0"),
+    ("D nan", lambda: _lap(D=D3 * np.nan), ValueError, "D must not contain NaN"),
+    (
+        "graph_weights shape",
+        lambda: _lap(graph_weights=np.ones((2, 2))),
+        ValueError,
+        "graph_weights",
+    ),
+    ("graph_weights negative", lambda: _lap(graph_weights=-D3), ValueError, "graph_weights"),
+    ("lap s > n", lambda: _init(_lap(clients_per_round=4)), ValueError, "clients_per_round"),
+    ("lap s zero", lambda: _lap(clients_per_round=0), ValueError, "clients_per_round"),
+    ("lap D vs data", lambda: _init(_lap(D=np.ones((4, 4)) - np.eye(4))), ValueError, "D has"),
+    ("lap personalized", lambda: _init(_lap(personalized={"w": True})), ValueError, "personalized"),
+    ("lap weights", lambda: _lap(weights=np.array([1.0, -1.0, 1.0])), ValueError, "weights"),
+    ("scale zero", lambda: graph_weights(D3, scale=0.0), ValueError, "scale"),
+    ("labels float", lambda: _clu(labels=np.array([0.0, 1.0, 0.0])), TypeError, "labels"),
+    ("labels bool", lambda: _clu(labels=np.array([True, False, True])), TypeError, "labels"),
+    ("labels 2d", lambda: _clu(labels=np.zeros((3, 1), int)), ValueError, "labels"),
+    ("labels negative", lambda: _clu(labels=np.array([0, -1, 0])), ValueError, "labels"),
+    ("labels vs data", lambda: _init(_clu(labels=np.array([0, 1]))), ValueError, "labels"),
+    ("clu lr negative", lambda: _clu(learning_rate=-1.0), ValueError, "learning_rate"),
+    ("clu s > n", lambda: _init(_clu(clients_per_round=4)), ValueError, "clients_per_round"),
+    ("clu local_steps", lambda: _clu(local_steps=0), ValueError, "local_steps"),
+    ("k zero", lambda: cluster_clients(D3, 0), ValueError, "k must be >= 1"),
+    ("k > n", lambda: cluster_clients(D3, 4), ValueError, "k=4 exceeds"),
+    ("k float", lambda: cluster_clients(D3, 2.0), TypeError, "k must"),
+    ("method", lambda: cluster_clients(D3, 2, method="kmeans"), ValueError, "method"),
+    ("cluster D asymmetric", lambda: cluster_clients(np.triu(D3), 2), ValueError, "D must"),
+    ("cluster D nan", lambda: cluster_clients(D3 * np.nan, 2), ValueError, "D must"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_inputs_are_rejected_by_name(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
