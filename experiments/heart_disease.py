@@ -22,7 +22,8 @@ from karula_jax import evaluation as ev
 from karula_jax import models
 from karula_jax.data import ClientData, load_heart_disease
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import describe_diagnostics, progress_bar, run_many
+from karula_jax.protocol import Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.training import progress_bar
 
 __all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
 
@@ -93,8 +94,8 @@ def smoothness(data: ClientData, lam: float) -> tuple[float, float]:
     return A.lipschitz_ridge(half, lam), A.lipschitz_ridge(half, lam, weights=np.full(n, float(n)))
 
 
-def make_factories(cfg: Config, batch_size: int) -> dict:
-    """``make(D, L_f, L_max[, t]) -> Algorithm`` per method (keywords, traced values)."""
+def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
+    """Every method: ``make(D, L_f, L_max[, t])`` and its grid (Karula: ``t_grid``)."""
     loss = models.logistic_loss(cfg.lam)
     common = dict(clients_per_round=cfg.clients_per_round, batch_size=batch_size)
     local = dict(common, local_steps=cfg.local_steps)
@@ -104,16 +105,23 @@ def make_factories(cfg: Config, batch_size: int) -> dict:
         inner = dict(personal_learning_rate=1.0 / (L_max + lp), inner_steps=cfg.pfedme_inner)
         return A.pfedme(loss, learning_rate=0.5 / lp, lam=lp, **inner, **local)
 
+    def karula(D, L_f, t, **_):
+        return A.karula(loss, D, t=t, learning_rate=0.375 / L_f, **common)
+
     return {
-        "Local": lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common),
-        "FedSGD": lambda L_f, **_: A.fedsgd(loss, learning_rate=0.375 / (n * L_f), **common),
-        "FedAvg": lambda L_max, **_: A.fedavg(loss, learning_rate=0.1 / L_max, **local),
-        "IFCA": lambda L_max, **_: A.ifca(
-            loss, num_clusters=cfg.ifca_clusters, learning_rate=0.5 / L_max, **local
+        "Local": Method(lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common)),
+        "FedSGD": Method(
+            lambda L_f, **_: A.fedsgd(loss, learning_rate=0.375 / (n * L_f), **common)
         ),
-        "pFedMe": pfedme,
-        "Karula": lambda D, L_f, t, **_: A.karula(
-            loss, D, t=t, learning_rate=0.375 / L_f, **common
+        "FedAvg": Method(lambda L_max, **_: A.fedavg(loss, learning_rate=0.1 / L_max, **local)),
+        "IFCA": Method(
+            lambda L_max, **_: A.ifca(
+                loss, num_clusters=cfg.ifca_clusters, learning_rate=0.5 / L_max, **local
+            )
+        ),
+        "pFedMe": Method(pfedme),
+        "Karula": Method(
+            karula, {"t": np.asarray(cfg.t_grid, np.float32)}, label=lambda h: f"t={h['t']:g}"
         ),
     }
 
@@ -128,30 +136,6 @@ def _metrics(params, data):
         "acc": ev.accuracy(_logistic, params, data),
         "nll": ev.log_loss(_logistic, params, data),
     }
-
-
-def _train(make, train, evals, keys, kwargs, cfg, hyper=None):
-    """One run_many call: final metrics ``[B, (G,) n]`` and the last round's loss ``[B(, G)]``."""
-    res = run_many(
-        make,
-        models.linear_params(train.x.shape[-1]),
-        train,
-        keys=keys,
-        num_rounds=cfg.rounds,
-        hyper=hyper,
-        data_per_seed=True,
-        batch_kwargs=kwargs,
-        eval_fn=_metrics,
-        eval_data=evals,
-        eval_data_per_seed=True,
-        eval_every_chunk=False,
-        chunk_size=cfg.rounds,
-        on_nonfinite="record",
-        progress=False,
-    )
-    if res.diagnostics["worst_proj_delta"] > 0 or res.diagnostics["unconverged_rounds"]:
-        print(f"    {describe_diagnostics(res.diagnostics)}", flush=True)
-    return {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}, res.info.loss[-1]
 
 
 def _folds(train: ClientData, K: int) -> np.ndarray:
@@ -198,15 +182,17 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         load_heart_disease(cfg.data_dir, test_fraction=cfg.test_fraction, seed=s) for s in range(S)
     ]
     hosp = splits[0].hospitals
-    stack = lambda items: jax.tree.map(lambda *a: jnp.stack(a), *items)
-    train, test = stack([h.train for h in splits]), stack([h.test for h in splits])
-    fit, val = jax.vmap(lambda d, f: ev.kfold_split(d, K, folds=f))(train, _folds(train, K))
-    flat = lambda tree: jax.tree.map(lambda a: a.reshape((S * K,) + a.shape[2:]), tree)
-    fit, val = flat(fit), flat(val)  # [S*K, ...], seed-major
+    train = stack_datasets([h.train for h in splits])
+    cv = cv_datasets(train, stack_datasets([h.test for h in splits]), K, folds=_folds(train, K))
 
-    # ---- D of every split and fold (one vmapped program); step sizes
+    # ---- D of every member (one vmapped program): fold f of seed s embeds with key
+    # fold_in(k_s, f + 1), the final fit with k_s; step sizes per member
     emb_keys = jax.random.split(jax.random.key(123), S)
-    fold_emb = jax.vmap(lambda k: jax.vmap(lambda f: jax.random.fold_in(k, f + 1))(jnp.arange(K)))
+    member_keys = jax.vmap(
+        lambda k: jax.vmap(lambda f: jnp.where(f < K, jax.random.fold_in(k, f + 1), k))(
+            jnp.arange(K + 1)
+        )
+    )
     embed = jax.jit(
         jax.vmap(
             lambda d, k: dissimilarities(
@@ -214,61 +200,50 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
             )
         )
     )
-    D, info = embed(train, emb_keys)
-    fold_D, fold_info = embed(fit, fold_emb(emb_keys).reshape(-1))
-    converged = bool(np.all(info.converged) and np.all(fold_info.converged))
-
-    def constants(data, D):
-        host = [ClientData(*(np.asarray(a[b]) for a in data)) for b in range(len(data.counts))]
-        c = np.asarray([smoothness(h, cfg.lam) for h in host], np.float32)
-        return {"D": D, "L_f": c[:, 0], "L_max": c[:, 1]}
-
-    run_keys = jax.random.split(jax.random.key(0), S)
+    D, info = embed(cv.train, member_keys(emb_keys).reshape(-1))
+    converged = bool(np.all(info.converged))
+    host = [ClientData(*(np.asarray(a[b]) for a in cv.train)) for b in range(S * (K + 1))]
+    consts = np.asarray([smoothness(h, cfg.lam) for h in host], np.float32)
+    member_kwargs = {"D": D, "L_f": consts[:, 0], "L_max": consts[:, 1]}
     print(
         f"{S} splits; train rows {np.asarray(splits[0].train.counts).tolist()}, "
         f"test rows {np.asarray(splits[0].test.counts).tolist()}; D converged: {converged}"
     )
-    factories = make_factories(cfg, int(train.x.shape[2]))  # full gradients
+    methods = make_methods(cfg, int(train.x.shape[2]))  # full gradients
 
-    # ---- Karula's t by K-fold CV: mean validation log-loss over the hospitals
-    t0 = time.perf_counter()
-    cv, _ = _train(
-        factories["Karula"],
-        fit,
-        val,
-        jnp.repeat(run_keys, K),
-        constants(fit, fold_D),
-        cfg,
-        hyper={"t": np.asarray(cfg.t_grid, np.float32)},
-    )
-    sel = ev.select_by_cv(cv["nll"].mean(-1).reshape(S, K, -1))
-    t_best = np.asarray(cfg.t_grid)[sel.index]
-    cv_time = time.perf_counter() - t0
-    print(f"CV for t ({K} folds x {len(cfg.t_grid)} values) in {cv_time:.1f}s: t = {t_best}")
-
-    # ---- final fits on each seed's full training rows
-    rows = []
-    kwargs = constants(train, D)
-    test_counts = np.asarray(test.counts, np.float64)  # [S, n]
-    for name in progress_bar(METHODS, desc="final fits", unit="method"):
-        t0 = time.perf_counter()
-        extra = {"t": jnp.asarray(t_best, jnp.float32)} if name == "Karula" else {}
-        m, last_loss = _train(factories[name], train, test, run_keys, kwargs | extra, cfg)
-        acc = m["acc"]  # [S, n]
-        runtime = time.perf_counter() - t0
+    # ---- every method: grid points by K-fold CV (mean validation log-loss over the
+    # hospitals), final fits on each seed's full training rows
+    rows, outcomes = [], {}
+    test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
+    for name in progress_bar(METHODS, desc="methods", unit="method"):
+        res = outcomes[name] = cross_validate(
+            methods[name],
+            models.linear_params(train.x.shape[-1]),
+            cv,
+            keys=jax.random.split(jax.random.key(0), S),
+            num_rounds=cfg.rounds,
+            eval_fn=_metrics,
+            score=lambda m: m["nll"].mean(-1),
+            member_kwargs=member_kwargs,
+        )
+        if res.diagnostics:
+            print(f"    {res.diagnostics}")
+        acc = res.metrics["acc"]  # [S, n]
         pooled = (acc * test_counts).sum(axis=1) / test_counts.sum(axis=1)
         row = mean_se_columns(
             {"method": name},
             test_acc=acc.mean(axis=1),
             pooled_acc=pooled,
-            test_logloss=m["nll"].mean(axis=1),
+            test_logloss=res.metrics["nll"].mean(axis=1),
             **{f"acc_{hn}": acc[:, j] for j, hn in enumerate(hosp)},
         )
-        row.update({"final_round_loss": float(np.mean(last_loss)), "runtime_s": runtime})
-        rows.append(row)
+        choice = res.chosen_labels
+        row["cv_choice"] = ", ".join(f"{v} x{choice.count(v)}" for v in sorted(set(choice) - {""}))
+        rows.append(row | {"runtime_s": res.seconds})
         print(
             f"{name:>7}: mean per-hospital test accuracy {row['test_acc']:.3f} ± "
-            f"{row['test_acc_2se']:.3f}, pooled {row['pooled_acc']:.3f} ({runtime:.1f}s)"
+            f"{row['test_acc_2se']:.3f}, pooled {row['pooled_acc']:.3f} ({res.seconds:.1f}s)"
+            + (f", CV chose {row['cv_choice']}" if row["cv_choice"] else "")
         )
 
     columns = [
@@ -277,14 +252,16 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         ("pooled_acc", "pooled test acc."),
         ("test_logloss", "mean per-hospital test log-loss"),
     ]
-    columns += [(f"acc_{hn}", hn) for hn in hosp] + [("runtime_s", "runtime (s)")]
+    columns += [(f"acc_{hn}", hn) for hn in hosp]
+    columns += [("cv_choice", "CV choice"), ("runtime_s", "runtime (s)")]
     notes = [
         f"{S} seeds, seed s = train/test split s (25% of each hospital per class held out); "
         f"± is 2 standard errors over seeds. Logistic regression, lam = {cfg.lam:g}, "
         f"{cfg.clients_per_round} of 4 hospitals per round, full gradients, {cfg.rounds} "
-        f"rounds. Karula's t by {K}-fold CV per seed (chosen: {t_best.tolist()}).",
-        "Runtime: wall clock of the final fits of all seeds, "
-        f"compilation included; Karula's CV took {cv_time:.1f}s more.",
+        f"rounds. Grids ({K}-fold CV per seed on the mean validation log-loss): Karula's t "
+        f"in {list(cfg.t_grid)}.",
+        "Runtime: wall clock of all seeds' runs of the method (CV folds and final fits), "
+        "compilation included.",
         "Log-loss: mean over hospitals of the mean cross-entropy of the hospital's model on its "
         "test rows (the quantity Karula's CV minimizes on validation folds). Per-hospital "
         "columns: accuracy.",
@@ -302,8 +279,8 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     )
     summary = {
         "config": dataclasses.asdict(cfg),
-        "t_chosen": t_best,
-        "cv_score": sel.score,
+        "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
+        "cv_score": {m: o.cv_score for m, o in outcomes.items() if o.cv_score is not None},
         "D_seed0": np.asarray(D[0]),
         "embedding_converged": converged,
         "rows": rows,

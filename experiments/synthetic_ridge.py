@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import inspect
 import pathlib
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,13 +29,9 @@ from karula_jax import evaluation as ev
 from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
+from karula_jax.protocol import CVData, Method, cross_validate, cv_datasets, stack_datasets
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
-from karula_jax.training import (
-    ProjectionNotConvergedWarning,
-    describe_diagnostics,
-    progress_bar,
-    run_many,
-)
+from karula_jax.training import progress_bar
 
 __all__ = [
     "DIAGNOSTICS",
@@ -136,36 +130,17 @@ def quick_config(seeds: int = 2) -> SyntheticConfig:
 
 
 class Batch(NamedTuple):
-    """Every data set a method is trained on, on one axis ``[B = S (K + 1)]``.
+    """Every data set of the study (:class:`karula_jax.protocol.CVData`) and what goes with it."""
 
-    Seed ``s``, fold ``f < K`` sits at ``s (K + 1) + f`` (``evals``: its validation rows);
-    ``f = K`` is the final fit on all training rows (``evals``: the test rows).
-    """
-
-    train: ClientData  # leaves [B, n, N, ...]
-    evals: ClientData  # leaves [B, n, N_eval, ...]
+    cv: CVData  # S (K + 1) members, seed-major
     D: jnp.ndarray  # [B, n, n] Karula's dissimilarities
     D_true: jnp.ndarray | None  # [B, n, n] true ||theta_i* - theta_j*||^2 (diagnostic)
     D_population: jnp.ndarray | None  # [B, n, n] D from many fresh rows (diagnostic)
     L_f: np.ndarray  # [B] product-space constant max_i alpha_i L_i / n
     L_max: np.ndarray  # [B] max_i L_i
-    keys: jnp.ndarray  # [B] run keys (all folds of a seed share its key)
     theta_true: np.ndarray  # [S, n, d]
     embedding_converged: np.ndarray  # [B, n] bool
     spearman_population: np.ndarray | None  # [S] Spearman of D_population with the truth
-
-
-def _pad_rows(data: ClientData, rows: int) -> ClientData:
-    """Pads the row axis (the one after ``counts``' axes) to ``rows``."""
-    lead = data.counts.ndim
-    pad = lambda a: jnp.pad(
-        a, [(0, 0)] * lead + [(0, rows - a.shape[lead])] + [(0, 0)] * (a.ndim - lead - 1)
-    )
-    return ClientData(pad(data.x), pad(data.y), data.counts)
-
-
-def _stack(items: Sequence[ClientData]) -> ClientData:
-    return jax.tree.map(lambda *a: jnp.stack(a), *items)
 
 
 def _normalize(D: jnp.ndarray) -> jnp.ndarray:
@@ -180,21 +155,14 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
     if cfg.noise_std is not None:
         gen["noise_std"] = cfg.noise_std
     sets = [synthetic_ridge(seed, **gen) for seed in range(cfg.seeds)]
-    n_max = max(int(s.train.x.shape[1]) for s in sets)
-    n_eval = max(n_max, max(int(s.test.x.shape[1]) for s in sets))
-    train = _stack([_pad_rows(s.train, n_max) for s in sets])  # [S, n, N, d]
-    test = _stack([_pad_rows(s.test, n_eval) for s in sets])
-    K = cfg.num_folds
-    fold_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1_000_003), s))(
-        jnp.arange(cfg.seeds)
+    fold_key = lambda s: jax.random.fold_in(jax.random.key(1_000_003), s)
+    cv = cv_datasets(
+        stack_datasets([s.train for s in sets]),
+        stack_datasets([s.test for s in sets]),
+        cfg.num_folds,
+        key=jax.vmap(fold_key)(jnp.arange(cfg.seeds)),
     )
-    cv_train, cv_val = jax.vmap(lambda d, k: ev.kfold_split(d, K, key=k))(train, fold_keys)
-    cv_val = _pad_rows(cv_val, n_eval)  # [S, K, n, N_eval, d]
-    flat = lambda a, b: jnp.concatenate([a, b[:, None]], 1).reshape((-1,) + a.shape[2:])
-    all_train = jax.tree.map(flat, cv_train, train)  # [B, n, N, d]
-    all_eval = jax.tree.map(flat, cv_val, test)
-    B = all_train.x.shape[0]
-
+    B = cv.train.x.shape[0]
     t0 = time.perf_counter()
     emb_keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(2_000_003), b))(jnp.arange(B))
     embed = jax.jit(
@@ -204,7 +172,7 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
             )
         )
     )
-    D, info = jax.block_until_ready(embed(all_train, emb_keys))
+    D, info = jax.block_until_ready(embed(cv.train, emb_keys))
     log(f"dissimilarities of {B} data sets: {time.perf_counter() - t0:.1f} s")
     converged = np.asarray(info.converged)
     theta_true = np.stack([np.asarray(s.theta_true) for s in sets])
@@ -214,40 +182,27 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
         # The truth, and D from many fresh rows of the same clients (the generator draws
         # training rows before test rows, so only the test rows grow).
         truth = np.stack([ev.pairwise_sq_distances(t) for t in theta_true])
-        D_true = jnp.asarray(np.repeat(truth, K + 1, axis=0), jnp.float32)
+        D_true = cv.per_member(jnp.asarray(truth, jnp.float32))
         pops = [
             synthetic_ridge(seed, **{**gen, "num_test": cfg.population_rows}).test
             for seed in range(cfg.seeds)
         ]
-        D_pop, pop_info = embed(_stack(pops), emb_keys[K :: K + 1])
-        converged = converged & np.repeat(np.asarray(pop_info.converged), K + 1, axis=0)
+        D_pop, pop_info = embed(stack_datasets(pops), cv.final(emb_keys))
+        converged = converged & np.asarray(cv.per_member(pop_info.converged))
         rho_pop = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_pop, strict=True)])
-        D_pop = jnp.repeat(D_pop, K + 1, axis=0)
+        D_pop = cv.per_member(D_pop)
     if cfg.normalize_D:
         D, D_true, D_pop = (None if a is None else _normalize(a) for a in (D, D_true, D_pop))
 
     n = cfg.num_clients
-    host = [ClientData(*(np.asarray(a[b]) for a in all_train)) for b in range(B)]
+    host = [ClientData(*(np.asarray(a[b]) for a in cv.train)) for b in range(B)]
     L_f = np.asarray([A.lipschitz_ridge(d, cfg.lam) for d in host])
     # weights n turn max_i alpha_i L_i / n into max_i L_i
     L_max = np.asarray([A.lipschitz_ridge(d, cfg.lam, weights=np.full(n, float(n))) for d in host])
-    run_keys = jnp.repeat(jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)), K + 1, axis=0)
-    return Batch(
-        all_train, all_eval, D, D_true, D_pop, L_f, L_max, run_keys, theta_true, converged, rho_pop
-    )
+    return Batch(cv, D, D_true, D_pop, L_f, L_max, theta_true, converged, rho_pop)
 
 
-class MethodSpec(NamedTuple):
-    """``make(D, L_f, L_max, **hyper) -> Algorithm``; a traced ``grid`` {name: [G]} or a
-    ``static_grid`` (one run_many call per entry, e.g. IFCA's k); ``label`` for the table."""
-
-    make: Callable[..., Any]
-    grid: dict[str, np.ndarray] | None = None
-    static_grid: list[dict[str, Any]] | None = None
-    label: Callable[[dict[str, Any]], str] | None = None
-
-
-def method_specs(cfg: SyntheticConfig, n_max: int) -> dict[str, MethodSpec]:
+def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
     """The six methods with the step sizes of ``results/synthetic/README.md``."""
     loss, n = ridge_loss(cfg.lam), cfg.num_clients
     common = dict(clients_per_round=cfg.clients_per_round, batch_size=n_max)
@@ -279,116 +234,61 @@ def method_specs(cfg: SyntheticConfig, n_max: int) -> dict[str, MethodSpec]:
     ks = [{"k": int(k)} for k in cfg.k_grid]
     lams, ts = {"lam": np.asarray(cfg.pfedme_grid)}, {"t": np.asarray(cfg.t_grid)}
     return {
-        "Local": MethodSpec(local),
-        "FedSGD": MethodSpec(fedsgd),
-        "FedAvg": MethodSpec(fedavg),
-        "IFCA": MethodSpec(ifca, static_grid=ks, label=lambda h: f"k={h['k']}"),
-        "pFedMe": MethodSpec(pfedme, lams, label=lambda h: f"lambda={h['lam']:.3g}"),
-        "Karula": MethodSpec(karula, ts, label=lambda h: f"t={h['t']:.3g}"),
+        "Local": Method(local),
+        "FedSGD": Method(fedsgd),
+        "FedAvg": Method(fedavg),
+        "IFCA": Method(ifca, static_grid=ks, label=lambda h: f"k={h['k']}"),
+        "pFedMe": Method(pfedme, lams, label=lambda h: f"lambda={h['lam']:.3g}"),
+        "Karula": Method(karula, ts, label=lambda h: f"t={h['t']:.3g}"),
     }
 
 
-def _linear(theta, x):
-    return x @ theta
-
-
 def _metrics(theta, evals):
-    """Per-client metrics of one run (run_many vmaps it over data sets and grid points)."""
+    """Per-client metrics of one run (vmapped over data sets and grid points)."""
     data, theta_true = evals
+    linear = lambda th, x: x @ th
     return {
         "theta": theta,
-        "mse": ev.mean_squared_error(_linear, theta, data),
-        "r2": ev.r2_score(_linear, theta, data),
+        "mse": ev.mean_squared_error(linear, theta, data),
+        "r2": ev.r2_score(linear, theta, data),
         "error": ev.estimation_error(theta, theta_true),
     }
 
 
-def _train(make, grid, batch: Batch, sel: np.ndarray, cfg: SyntheticConfig) -> dict:
-    """One run_many call on the data sets ``sel``: final metrics ``[S, F, G, ...]``."""
-    take = lambda tree: jax.tree.map(lambda a: a[sel], tree)
-    truth = np.repeat(batch.theta_true, cfg.num_folds + 1, axis=0)
-    with warnings.catch_warnings():  # Karula's projection is capped on purpose (README)
-        warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
-        res = run_many(
-            make,
-            jnp.zeros((cfg.dim,), jnp.float32),
-            take(batch.train),
-            keys=batch.keys[sel],
-            num_rounds=cfg.rounds,
-            hyper=grid,
-            data_per_seed=True,
-            batch_kwargs=take({"D": batch.D, "L_f": batch.L_f, "L_max": batch.L_max}),
-            eval_fn=_metrics,
-            eval_data=take((batch.evals, truth)),
-            eval_data_per_seed=True,
-            eval_every_chunk=False,
-            chunk_size=cfg.rounds,
-            on_nonfinite="record",
-            progress=False,
-        )
-    m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
-    m["finite"] = np.asarray(res.info.finite).all(axis=0)
-    if res.diagnostics["unconverged_rounds"] or res.diagnostics["worst_proj_delta"] > 0:
-        print(f"    {describe_diagnostics(res.diagnostics)}", flush=True)
-    expand = (lambda a: a) if grid else (lambda a: a[:, None])  # a grid axis of 1
-    return {k: expand(v).reshape((cfg.seeds, -1) + expand(v).shape[1:]) for k, v in m.items()}
-
-
-class MethodResult(NamedTuple):
-    """Per-seed outcome of one method (host arrays; ``config.json`` holds all but params)."""
-
-    estimation_error: np.ndarray  # [S] of the final fit
-    test_r2: np.ndarray  # [S] mean test R^2 of the final fit
-    params: np.ndarray  # [S, n, d] final models
-    chosen: list[str]  # [S] labels of the selected grid points ("" without grid)
-    cv_validation_mse: np.ndarray | None  # [S, G] pooled validation MSE, None without grid
-    grid: list[str]  # [G] labels
-    final_fit_error_per_grid_point: np.ndarray  # [S, G]
-    all_rounds_finite: bool
-
-
-def run_method(name: str, spec: MethodSpec, batch: Batch, cfg: SyntheticConfig, log=print):
-    """Cross-validates (if the method has a grid), trains the final fits and scores them."""
-    S, K = cfg.seeds, cfg.num_folds
-    tuned = spec.grid is not None or spec.static_grid is not None
-    # Methods without a grid train the final fits only.
-    sel = np.arange(S * (K + 1)) if tuned else np.arange(S) * (K + 1) + K
-    t0 = time.perf_counter()
-    statics = spec.static_grid or [{}]
-    parts = [
-        _train(functools.partial(spec.make, **st), spec.grid, batch, sel, cfg) for st in statics
-    ]
-    m = {k: np.concatenate([p[k] for p in parts], axis=2) for k in parts[0]}  # [S, F, G, ...]
-    grid = spec.grid or {}
-    points = spec.static_grid or [
-        dict(zip(grid, v, strict=True)) for v in zip(*grid.values(), strict=True)
-    ]
-    labels = [spec.label(h) for h in points] if tuned else [""]
-    choice, cv_scores = np.zeros(S, dtype=int), None
-    if tuned:  # pooled validation MSE: squared errors of all clients / their rows
-        rows = np.asarray(batch.evals.counts, np.float64).reshape(S, K + 1, 1, -1)[:, :K]
-        pooled = np.sum(m["mse"][:, :K] * rows, -1) / rows.sum(-1)
-        cv = ev.select_by_cv(pooled, fold_weights=rows.sum(-1)[..., 0], valid=m["finite"][:, :K])
-        choice, cv_scores = cv.index, cv.score
-    final = {k: v[np.arange(S), -1, choice] for k, v in m.items()}  # [S, ...]
-    error, r2 = final["error"].mean(-1), final["r2"].mean(-1)
-    chosen = [labels[c] for c in choice]
-    log(
-        f"{name:7s} {time.perf_counter() - t0:6.1f} s  error {error.mean():7.3f}  "
-        f"R2 {r2.mean():6.3f}" + (f"  chosen {chosen}" if tuned else "")
+def run_method(name: str, method: Method, batch: Batch, cfg: SyntheticConfig, log=print):
+    """Cross-validates ``method`` (pooled validation MSE) and scores its final fits."""
+    cv, K = batch.cv, cfg.num_folds
+    rows = np.asarray(cv.evals.counts, np.float64).reshape(cfg.seeds, K + 1, 1, -1)[:, :K]
+    out = cross_validate(
+        method,
+        jnp.zeros((cfg.dim,), jnp.float32),
+        cv,
+        keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
+        num_rounds=cfg.rounds,
+        eval_fn=_metrics,
+        eval_data=(cv.evals, cv.per_member(batch.theta_true)),
+        member_kwargs={"D": batch.D, "L_f": batch.L_f, "L_max": batch.L_max},
+        # pooled validation MSE: squared errors of all clients / their rows
+        score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
+        fold_weights=rows.sum(-1)[..., 0],
+        warn_unconverged=False,  # the projection is capped on purpose (README)
     )
-    err_grid = m["error"][:, -1].mean(-1)
-    ok = bool(final["finite"].all())
-    return MethodResult(error, r2, final["theta"], chosen, cv_scores, labels, err_grid, ok)
+    if out.diagnostics:
+        log(f"    {out.diagnostics}")
+    error, r2 = out.metrics["error"].mean(-1), out.metrics["r2"].mean(-1)
+    log(
+        f"{name:7s} {out.seconds:6.1f} s  error {error.mean():7.3f}  R2 {r2.mean():6.3f}"
+        + (f"  chosen {out.chosen_labels}" if method.tuned else "")
+    )
+    return out
 
 
 def _exact_references(batch: Batch, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
     """Closed-form ridge fits (float64) per seed: per-client local and pooled global."""
-    K = cfg.num_folds
     out = {"local_error": [], "global_error": []}
+    final = batch.cv.final(batch.cv.train)
     for s in range(cfg.seeds):
-        b = s * (K + 1) + K
-        x, y, c = (np.asarray(a[b], np.float64) for a in batch.train)
+        x, y, c = (np.asarray(a[s], np.float64) for a in final)
         H = np.einsum("nki,nkj->nij", x, x) / c[:, None, None] + cfg.lam * np.eye(cfg.dim)
         g = np.einsum("nki,nk->ni", x, y) / c[:, None]
         loc = np.linalg.solve(H, g[..., None])[..., 0]
@@ -419,7 +319,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     batch = build_batch(cfg, log=log)
     if not batch.embedding_converged.all():
         log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
-    specs = method_specs(cfg, int(batch.train.x.shape[2]))
+    specs = methods(cfg, int(batch.cv.train.x.shape[2]))
     results = {
         name: run_method(name, specs[name], batch, cfg, log=log)
         for name in progress_bar(METHODS, desc="methods", unit="method")
@@ -430,9 +330,9 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     refs = _exact_references(batch, cfg)
 
     # Dissimilarity structure: truth vs Karula's D vs distances between Local models.
-    D_full = np.asarray(batch.D)[cfg.num_folds :: cfg.num_folds + 1]
+    D_full = np.asarray(batch.cv.final(batch.D))
     truth = [ev.pairwise_sq_distances(t) for t in batch.theta_true]
-    local = [ev.pairwise_sq_distances(p) for p in results["Local"].params]
+    local = [ev.pairwise_sq_distances(p) for p in results["Local"].metrics["theta"]]
     rho_D = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_full, strict=True)])
     rho_loc = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, local, strict=True)])
     plot_heatmaps(
@@ -448,9 +348,11 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
 
     rows = []
     for name, r in results.items():
-        chosen = ", ".join(f"{c} x{r.chosen.count(c)}" for c in sorted(set(r.chosen) - {""}))
+        c = r.chosen_labels
+        chosen = ", ".join(f"{v} x{c.count(v)}" for v in sorted(set(c) - {""}))
         row = {"method": name, "cv_choice": chosen or "-"}
-        rows.append(mean_se_columns(row, estimation_error=r.estimation_error, test_r2=r.test_r2))
+        error, r2 = r.metrics["error"].mean(-1), r.metrics["r2"].mean(-1)
+        rows.append(mean_se_columns(row, estimation_error=error, test_r2=r2))
     runtime, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     diagnostics = cfg.diagnostics and (
         f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
@@ -494,7 +396,15 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         "embedding_converged": bool(batch.embedding_converged.all()),
         "spearman_population_D": batch.spearman_population,
         "methods": {
-            name: {k: v for k, v in r._asdict().items() if k != "params"}
+            name: {
+                "estimation_error": r.metrics["error"].mean(-1),
+                "test_r2": r.metrics["r2"].mean(-1),
+                "chosen": r.chosen_labels,
+                "cv_validation_mse": r.cv_score,
+                "grid": r.labels,
+                "final_fit_error_per_grid_point": r.grid_metrics["error"].mean(-1),
+                "all_rounds_finite": bool(r.finite.all()),
+            }
             for name, r in results.items()
         },
     }

@@ -1,8 +1,8 @@
 """karula_jax: personalized federated learning with Wasserstein-constrained models.
 
 Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projection`` /
-``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) -> ``stats``
-(mean +- 2 SE).
+``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) ->
+``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE).
 """
 
 from karula_jax import (
@@ -12,6 +12,7 @@ from karula_jax import (
     evaluation,
     models,
     projection,
+    protocol,
     stats,
     training,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "evaluation",
     "models",
     "projection",
+    "protocol",
     "stats",
     "training",
 ]

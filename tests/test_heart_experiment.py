@@ -39,4 +39,5 @@ def test_quick_run_writes_table(tmp_path, shared_data_dir):
             assert np.isfinite(v)
         assert 0.0 <= float(r["test_acc"]) <= 1.0
     assert summary["embedding_converged"]
-    assert len(summary["t_chosen"]) == 2
+    assert len(summary["chosen"]["Karula"]) == 2
+    assert all(c.startswith("t=") for c in summary["chosen"]["Karula"])
