@@ -28,6 +28,7 @@ from karula_jax.training import progress_bar
 __all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
 
 METHODS = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula")
+METHODS += ("FedProx", "SCAFFOLD", "Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Config:
       pfedme_lam, pfedme_inner: pFedMe's Moreau parameter and inner steps.
       folds: cross-validation folds for Karula's t.
       t_grid: candidate values of t.
+      ditto_grid, fedprox_grid: Ditto's lambda and FedProx's mu.
+      penalty_grid: mu / L_f of the Laplacian penalty on D (Karula's step size).
+      cluster_grid: k of the clustered FedAvg (spectral clustering of each data set's D).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
     """
 
@@ -68,15 +72,19 @@ class Config:
     pfedme_inner: int = 10
     folds: int = 3
     t_grid: tuple[float, ...] = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, float("inf"))
+    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    penalty_grid: tuple[float, ...] = (1e-3, 1e-2, 0.1, 1.0, 10.0)
+    cluster_grid: tuple[int, ...] = (1, 2, 3)
     num_reference: int = 100
     epsilon: float = 0.05
 
 
 def quick_config(cfg: Config) -> Config:
     """A small version of ``cfg`` for tests."""
-    return dataclasses.replace(
-        cfg, seeds=2, rounds=100, folds=2, t_grid=(0.0, 1.0, float("inf")), num_reference=20
-    )
+    grids = dict(t_grid=(0.0, 1.0, float("inf")), ditto_grid=(0.1, 1.0), fedprox_grid=(0.1,))
+    grids |= dict(penalty_grid=(0.1, 10.0), cluster_grid=(1, 2))
+    return dataclasses.replace(cfg, seeds=2, rounds=100, folds=2, num_reference=20, **grids)
 
 
 def smoothness(data: ClientData, lam: float) -> tuple[float, float]:
@@ -108,6 +116,18 @@ def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
     def karula(D, L_f, t, **_):
         return A.karula(loss, D, t=t, learning_rate=0.375 / L_f, **common)
 
+    def ditto(L_max, lam, **_):
+        personal = dict(personal_learning_rate=0.5 / L_max)
+        return A.ditto(loss, lam=lam, learning_rate=0.1 / L_max, **personal, **local)
+
+    def penalty(D, L_f, mu, **_):  # Karula's step
+        return A.laplacian_penalty(loss, D, mu=mu * L_f, learning_rate=0.375 / L_f, **common)
+
+    def clustered(labels, L_max, k, **_):
+        return A.clustered_fedavg(loss, labels[k], learning_rate=0.1 / L_max, **local)
+
+    grid = lambda name, v: {name: np.asarray(v, np.float32)}
+    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
     return {
         "Local": Method(lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common)),
         "FedSGD": Method(
@@ -122,6 +142,21 @@ def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
         "pFedMe": Method(pfedme),
         "Karula": Method(
             karula, {"t": np.asarray(cfg.t_grid, np.float32)}, label=lambda h: f"t={h['t']:g}"
+        ),
+        "FedProx": Method(
+            lambda L_max, mu, **_: A.fedprox(loss, mu=mu, learning_rate=0.1 / L_max, **local),
+            grid("mu", cfg.fedprox_grid),
+            label=label("mu"),
+        ),
+        "SCAFFOLD": Method(lambda L_max, **_: A.scaffold(loss, learning_rate=0.1 / L_max, **local)),
+        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Laplacian penalty on D": Method(
+            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+        ),
+        "Clustered FedAvg on D": Method(
+            clustered,
+            {"k": np.arange(len(cfg.cluster_grid))},
+            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
         ),
     }
 
@@ -204,7 +239,9 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     converged = bool(np.all(info.converged))
     host = [ClientData(*(np.asarray(a[b]) for a in cv.train)) for b in range(S * (K + 1))]
     consts = np.asarray([smoothness(h, cfg.lam) for h in host], np.float32)
-    member_kwargs = {"D": D, "L_f": consts[:, 0], "L_max": consts[:, 1]}
+    labels = [[A.cluster_clients(d, k) for k in cfg.cluster_grid] for d in np.asarray(D)]
+    member_kwargs = {"D": D, "labels": np.asarray(labels, np.int32)}
+    member_kwargs |= {"L_f": consts[:, 0], "L_max": consts[:, 1]}
     print(
         f"{S} splits; train rows {np.asarray(splits[0].train.counts).tolist()}, "
         f"test rows {np.asarray(splits[0].test.counts).tolist()}; D converged: {converged}"
@@ -215,6 +252,8 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     # hospitals), final fits on each seed's full training rows
     rows, outcomes = [], {}
     test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
+    grids = [f"{m}: {', '.join(methods[m].labels())}" for m in METHODS if methods[m].tuned]
+    print("CV grids: " + "; ".join(grids))
     for name in progress_bar(METHODS, desc="methods", unit="method"):
         res = outcomes[name] = cross_validate(
             methods[name],
@@ -258,8 +297,8 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         f"{S} seeds, seed s = train/test split s (25% of each hospital per class held out); "
         f"± is 2 standard errors over seeds. Logistic regression, lam = {cfg.lam:g}, "
         f"{cfg.clients_per_round} of 4 hospitals per round, full gradients, {cfg.rounds} "
-        f"rounds. Grids ({K}-fold CV per seed on the mean validation log-loss): Karula's t "
-        f"in {list(cfg.t_grid)}.",
+        f"rounds. Hyperparameters by {K}-fold CV per seed on the mean validation log-loss "
+        f"(how often each was chosen) from the grids {'; '.join(grids)}.",
         "Runtime: wall clock of all seeds' runs of the method (CV folds and final fits), "
         "compilation included.",
         "Log-loss: mean over hospitals of the mean cross-entropy of the hospital's model on its "

@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 METHODS = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula")
+# Baselines beyond the paper, and the two other uses of Karula's D (penalty, clustering).
+EXTRA = ("FedProx", "SCAFFOLD", "Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
 # Karula with dissimilarities no federated method has (results/synthetic/README.md).
 DIAGNOSTICS = ("Karula, true D (diagnostic)", "Karula, population D (diagnostic)")
 
@@ -74,11 +76,15 @@ class SyntheticConfig:
       rate_karula, rate_fedavg, rate_ifca, rate_pfedme: step = rate / L (which L: README).
       projection_tol, projection_max_iter: stopping rule of Karula's projection per round.
       t_grid, k_grid, pfedme_grid: grids of Karula's t, IFCA's k, pFedMe's lambda.
+      ditto_grid, fedprox_grid: Ditto's lambda and FedProx's mu.
+      penalty_grid: mu / L_f of the Laplacian penalty (its step is Karula's).
+      cluster_grid: k of the clustered FedAvg (spectral clustering of each data set's D).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
       noise_std: response noise of the generator (None: its default).
       generator: further keywords of :func:`karula_jax.data.synthetic_ridge`.
       normalize_D: divide every data set's D by its mean off-diagonal entry.
       diagnostics: also train Karula on the true and on a population D.
+      extra_methods: also run the methods of ``EXTRA`` (not in the paper).
       population_rows: rows per client behind the population D.
     """
 
@@ -100,12 +106,17 @@ class SyntheticConfig:
     t_grid: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0)
     k_grid: tuple[int, ...] = (1, 2, 3, 4, 5)
     pfedme_grid: tuple[float, ...] = tuple(float(x) for x in np.geomspace(0.01, 1.0, 5))
+    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    penalty_grid: tuple[float, ...] = (1e-3, 1e-2, 0.1, 1.0, 10.0)
+    cluster_grid: tuple[int, ...] = (1, 2, 3, 4, 5)
     num_reference: int = 100
     epsilon: float = 0.5
     noise_std: float | None = None
     generator: dict[str, Any] = dataclasses.field(default_factory=dict)
     normalize_D: bool = True
     diagnostics: bool = False
+    extra_methods: bool = True
     population_rows: int = 1000
 
     def __post_init__(self):
@@ -114,7 +125,7 @@ class SyntheticConfig:
         bad += ["num_folds must be >= 2"] * (self.num_folds < 2)
         too_many = self.clients_per_round > self.num_clients
         bad += ["clients_per_round exceeds num_clients"] * too_many
-        for k in ("t_grid", "k_grid", "pfedme_grid"):
+        for k in [f.name for f in dataclasses.fields(self) if f.name.endswith("_grid")]:
             v = getattr(self, k)
             bad += [f"{k} must be a non-empty tuple of positive values"] * (not v or min(v) <= 0)
         if bad:
@@ -124,9 +135,9 @@ class SyntheticConfig:
 def quick_config(seeds: int = 2) -> SyntheticConfig:
     """A smoke-test configuration: few seeds, rounds and grid points (well under 60 s)."""
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
-    return SyntheticConfig(
-        seeds, t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0), **small
-    )
+    small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0))
+    small |= dict(ditto_grid=(0.1, 1.0), fedprox_grid=(0.1, 1.0), penalty_grid=(0.1, 10.0))
+    return SyntheticConfig(seeds, cluster_grid=(1, 3), **small)
 
 
 class Batch(NamedTuple):
@@ -136,6 +147,7 @@ class Batch(NamedTuple):
     D: jnp.ndarray  # [B, n, n] Karula's dissimilarities
     D_true: jnp.ndarray | None  # [B, n, n] true ||theta_i* - theta_j*||^2 (diagnostic)
     D_population: jnp.ndarray | None  # [B, n, n] D from many fresh rows (diagnostic)
+    labels: np.ndarray  # [B, len(cluster_grid), n] spectral clusters of D
     L_f: np.ndarray  # [B] product-space constant max_i alpha_i L_i / n
     L_max: np.ndarray  # [B] max_i L_i
     theta_true: np.ndarray  # [S, n, d]
@@ -199,7 +211,10 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
     L_f = np.asarray([A.lipschitz_ridge(d, cfg.lam) for d in host])
     # weights n turn max_i alpha_i L_i / n into max_i L_i
     L_max = np.asarray([A.lipschitz_ridge(d, cfg.lam, weights=np.full(n, float(n))) for d in host])
-    return Batch(cv, D, D_true, D_pop, L_f, L_max, theta_true, converged, rho_pop)
+    labels = np.asarray(
+        [[A.cluster_clients(d, k) for k in cfg.cluster_grid] for d in np.asarray(D)], np.int32
+    )
+    return Batch(cv, D, D_true, D_pop, labels, L_f, L_max, theta_true, converged, rho_pop)
 
 
 def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
@@ -231,8 +246,30 @@ def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
         tol = dict(projection_tol=cfg.projection_tol, projection_max_iter=cfg.projection_max_iter)
         return A.karula(loss, D, t=t, learning_rate=cfg.rate_karula / L_f, **tol, **common)
 
+    def fedprox(L_max, mu, **_):
+        return A.fedprox(loss, mu=mu, learning_rate=cfg.rate_fedavg / L_max, **local_steps)
+
+    def scaffold(L_max, **_):
+        return A.scaffold(loss, learning_rate=cfg.rate_fedavg / L_max, **local_steps)
+
+    def ditto(L_max, lam, **_):
+        personal = dict(personal_learning_rate=cfg.rate_pfedme / L_max)
+        return A.ditto(
+            loss, lam=lam, learning_rate=cfg.rate_fedavg / L_max, **personal, **local_steps
+        )
+
+    def penalty(D, L_f, mu, **_):  # Karula's step: the penalty and the constraint differ only
+        lr = cfg.rate_karula / L_f
+        return A.laplacian_penalty(loss, D, mu=mu * L_f, learning_rate=lr, **common)
+
+    def clustered(labels, L_max, k, **_):
+        lr = cfg.rate_fedavg / L_max
+        return A.clustered_fedavg(loss, labels[k], learning_rate=lr, **local_steps)
+
     ks = [{"k": int(k)} for k in cfg.k_grid]
     lams, ts = {"lam": np.asarray(cfg.pfedme_grid)}, {"t": np.asarray(cfg.t_grid)}
+    grid = lambda name, v: {name: np.asarray(v, np.float32)}
+    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
     return {
         "Local": Method(local),
         "FedSGD": Method(fedsgd),
@@ -240,6 +277,17 @@ def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
         "IFCA": Method(ifca, static_grid=ks, label=lambda h: f"k={h['k']}"),
         "pFedMe": Method(pfedme, lams, label=lambda h: f"lambda={h['lam']:.3g}"),
         "Karula": Method(karula, ts, label=lambda h: f"t={h['t']:.3g}"),
+        "FedProx": Method(fedprox, grid("mu", cfg.fedprox_grid), label=label("mu")),
+        "SCAFFOLD": Method(scaffold),
+        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Laplacian penalty on D": Method(
+            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+        ),
+        "Clustered FedAvg on D": Method(
+            clustered,
+            {"k": np.arange(len(cfg.cluster_grid))},
+            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
+        ),
     }
 
 
@@ -267,7 +315,12 @@ def run_method(name: str, method: Method, batch: Batch, cfg: SyntheticConfig, lo
         num_rounds=cfg.rounds,
         eval_fn=_metrics,
         eval_data=(cv.evals, cv.per_member(batch.theta_true)),
-        member_kwargs={"D": batch.D, "L_f": batch.L_f, "L_max": batch.L_max},
+        member_kwargs={
+            "D": batch.D,
+            "labels": batch.labels,
+            "L_f": batch.L_f,
+            "L_max": batch.L_max,
+        },
         # pooled validation MSE: squared errors of all clients / their rows
         score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
         fold_weights=rows.sum(-1)[..., 0],
@@ -312,17 +365,16 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     t_start, cpu_start = time.perf_counter(), time.process_time()
     out.mkdir(parents=True, exist_ok=True)
     log(f"config: {dataclasses.asdict(cfg)}")
-    log(
-        f"CV grids: t (Karula) {[f'{t:.3g}' for t in cfg.t_grid]}; k (IFCA) {list(cfg.k_grid)}; "
-        f"lambda (pFedMe) {[f'{v:.3g}' for v in cfg.pfedme_grid]}"
-    )
     batch = build_batch(cfg, log=log)
     if not batch.embedding_converged.all():
         log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
     specs = methods(cfg, int(batch.cv.train.x.shape[2]))
+    names = METHODS + EXTRA * cfg.extra_methods
+    grids = [f"{name}: {', '.join(specs[name].labels())}" for name in names if specs[name].tuned]
+    log("CV grids: " + "; ".join(grids))
     results = {
         name: run_method(name, specs[name], batch, cfg, log=log)
-        for name in progress_bar(METHODS, desc="methods", unit="method")
+        for name in progress_bar(names, desc="methods", unit="method")
     }
     if cfg.diagnostics:
         for name, D in zip(DIAGNOSTICS, (batch.D_true, batch.D_population), strict=True):
@@ -362,7 +414,8 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     notes = [
         f"{cfg.seeds} seeds, mean ± 2 SE over seeds; {cfg.rounds} rounds, "
         f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
-        f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was chosen).",
+        f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was chosen) "
+        f"from the grids {'; '.join(grids)}.",
         f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
         f"{_pm(rho_D)}, Local-model distances {_pm(rho_loc)} (paired difference "
         f"{format_mean_se(*paired_difference(rho_D, rho_loc), digits=3)}).",
@@ -429,7 +482,9 @@ def run_sensitivity(base: SyntheticConfig, out, settings=SETTINGS) -> list[dict[
         print(f"=== {name}: {generator}", flush=True)
         command = f"python -m experiments.synthetic_ridge --sensitivity ({name})"
         summary = run_experiment(
-            dataclasses.replace(base, generator=dict(generator)), out / name, command=command
+            dataclasses.replace(base, generator=dict(generator), extra_methods=False),
+            out / name,
+            command=command,
         )
         described = ", ".join(f"{k}={v}" for k, v in generator.items()) or "(defaults)"
         errors = {m: summary["methods"][m]["estimation_error"] for m in METHODS}
