@@ -268,3 +268,65 @@ def test_dtypes_integer_half_and_nan():
         proj.project(nan_v, radii_sq)
     with pytest.raises(TypeError, match="v: leaf 0 has dtype complex"):
         proj.project(v.astype(jnp.complex64), radii_sq)
+
+
+def test_auto_picks_dykstra_small_and_laplacian_large():
+    assert proj.choose_method(30, 1010) == "dykstra"
+    assert proj.choose_method(2, 1) == "dykstra"
+    assert proj.choose_method(41, 2) == "laplacian"
+    assert proj.choose_method(40, 2000) == "laplacian"  # 780 * 2000 floats of state
+    v = jnp.zeros((50, 3))
+    state = proj.init_projection_state(v)
+    assert state.lam.shape == (50, 50) and state.pair_dual.shape == (0, 3)
+    assert proj.init_projection_state(v[:8]).pair_dual.shape == (28, 3)
+
+
+def test_feasible_input_is_returned_as_is():
+    """Screening: a point that meets every constraint is its own projection (lam = 0),
+    also with a nonzero warm start; one pair just outside sends it to the solver."""
+    v, radii_sq = _instance(11, 9, 4, "groups")
+    d2 = ((v[:, None] - v[None]) ** 2).sum(-1)
+    radii_sq = 1.01 * d2 + 1e-3
+    vj = jnp.asarray(v, jnp.float32)
+    for method in SOLVERS:
+        warm = proj.init_projection_state(vj, method=method)
+        warm = jax.tree.map(jnp.ones_like, warm)
+        th, info = proj.project(vj, jnp.asarray(radii_sq), method=method, warm_start=warm)
+        np.testing.assert_array_equal(th, vj)
+        assert int(info.iterations) == 0 and float(info.delta) == 0.0
+        assert not np.any(np.asarray(info.state.lam))
+    radii_sq[0, 1] = radii_sq[1, 0] = 0.9 * d2[0, 1]
+    with jax.enable_x64(True):
+        ref, _ = cvxpy_projection(v, radii_sq)
+        th, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), tol=1e-12)
+    assert int(info.iterations) > 0 and bool(info.converged)
+    np.testing.assert_allclose(th, ref, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n, p, tol_d", [(150, 4, 1e-5), (60, 130, 1e-9)])
+def test_large_n_auto_matches_dykstra(n, p, tol_d):
+    """Many clients: "auto" (the Laplacian dual after screening; rotated when p >= 2n)
+    against the pair-copy Dykstra on the same instance, both certified in float64
+    (Dykstra to 1e-5 only at n = 150: 1e-9 takes it over 20,000 sweeps)."""
+    assert proj.choose_method(n, p) == "laplacian"
+    v, radii_sq = _instance(12, n, p, "uneven")
+    radii_sq *= np.median(((v[:, None] - v[None]) ** 2).sum(-1)) / 10.0
+    scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
+    rmax = np.sqrt(radii_sq.max())
+    with jax.enable_x64(True):
+        args = (jnp.asarray(v), jnp.asarray(radii_sq))
+        outs = {
+            "auto": proj.project(*args, tol=1e-9, max_iter=500),
+            "dykstra": proj.project(*args, method="dykstra", tol=tol_d, max_iter=20000),
+        }
+    for m, (th, info) in outs.items():
+        tol = 1e-9 if m == "auto" else tol_d
+        assert bool(info.converged) and float(info.delta) <= tol * scale, m
+        assert _max_violation(th, radii_sq) <= 1e-9 * rmax, m
+    (th_a, info_a), (th_d, info_d) = outs["auto"], outs["dykstra"]
+    # each within sqrt(2 delta) of the projection
+    bound = np.sqrt(2 * float(info_a.delta)) + np.sqrt(2 * float(info_d.delta))
+    assert np.linalg.norm(np.asarray(th_a) - np.asarray(th_d)) <= bound + 1e-9 * np.sqrt(scale)
+    assert np.linalg.norm(np.asarray(th_a) - v) > 0.1 * np.sqrt(scale)  # it did project
+    lam = np.asarray(info_a.state.lam)
+    assert 0 < np.count_nonzero(lam) < lam.size / 4  # most pairs inactive

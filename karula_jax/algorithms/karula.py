@@ -81,7 +81,7 @@ def karula(
     smoothness=None,
     personalized: Any = None,
     weights=None,
-    projection_method: str = "dykstra",
+    projection_method: str = "auto",
     projection_tol: float = 1e-6,
     projection_max_iter: int = 1000,
 ) -> Algorithm:
@@ -178,7 +178,9 @@ def karula(
         ``None``: every leaf personalized.
       weights: optional client weights ``alpha`` of shape ``[n]`` (default
         proportional to ``N_i`` with mean 1).
-      projection_method: solver of the projection (see ``karula_jax.projection``).
+      projection_method: solver of the projection: ``"auto"`` (Dykstra for small
+        problems, the Laplacian dual otherwise; see
+        :func:`karula_jax.projection.choose_method`), ``"dykstra"`` or ``"laplacian"``.
       projection_tol: its tolerance.
       projection_max_iter: its iteration cap.
 

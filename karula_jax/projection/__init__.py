@@ -41,7 +41,14 @@ How it is solved (all inside one compiled program):
    when ``delta <= tol * S`` with ``S = 1/2 sum_i ||v_i - mean(v)||^2`` (the value at
    ``t = 0``, an upper bound on the optimal value).
 
-Solvers: ``method="dykstra"`` (default) is Dykstra's algorithm cycling over the
+Screening: before any solver, one Gram product with a rigorous rounding margin checks
+whether every constraint already holds; then ``v`` is returned as is with ``lam = 0`` and
+``delta = 0`` (exact: a feasible ``v`` is its own projection). The Laplacian solver also
+rotates onto the span of the models when ``p >= 2n``.
+
+Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 40`` and its state
+``n(n-1)/2 * p`` is at most ``2**20`` floats, else the Laplacian dual
+(:func:`choose_method`). ``method="dykstra"`` is Dykstra's algorithm cycling over the
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with
 a bye when ``n`` is odd; the pair kernel vmapped over the disjoint pairs of a matching;
 one vector of dual state per pair); ``"laplacian"`` is a projected Newton-CG ascent on
@@ -62,6 +69,7 @@ from karula_jax.projection.api import (
     METHODS,
     ProjectionInfo,
     ProjectionState,
+    choose_method,
     init_projection_state,
     project,
 )
@@ -71,6 +79,7 @@ __all__ = [
     "METHODS",
     "ProjectionInfo",
     "ProjectionState",
+    "choose_method",
     "init_projection_state",
     "pair_kernel",
     "project",

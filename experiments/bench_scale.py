@@ -1,0 +1,201 @@
+"""Benchmark: FedAvg and Karula rounds, compile time and state size as n grows."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import platform
+import time
+from unittest import mock
+
+import jax
+import numpy as np
+
+from experiments.bench_rounds import identity_projection
+from experiments.report import RESULTS, markdown_table, publish
+from karula_jax import algorithms as A
+from karula_jax import projection
+from karula_jax.data import from_client_arrays
+from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
+from karula_jax.training import progress_bar
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig:
+    """FEMNIST-shaped rounds of FedAvg and Karula (default projection) for growing n.
+
+    Command: ``python -m experiments.bench_scale`` writes ``results/bench/scale.md``;
+    ``--sizes 30,100`` picks the n; ``--quick`` prints n = 30, 100 only (about 1 min).
+
+    Expected (2 shared CPU cores): n = 30 to 1000 in 10-15 min; a Karula round 2-4x a
+    FedAvg round at the paper's t and 3-8x at the stress t from n = 300 on, most of the
+    gap being passes over the ``[n, p]`` state (the projection's share is printed);
+    n = 3000 adds about 10 min at ``rounds_large``.
+
+    Attributes:
+      sizes: numbers of clients n; s = n / 10 participate in a round.
+      t_values: Karula's t: the paper's FEMNIST value and a stress value at which
+        constraints are active every round.
+      rounds, rounds_large: timed rounds per method (median reported) for n below and
+        from ``large`` on, after one warm-up round; methods take turns round by round.
+      batch_size, local_steps, karula_lr, fedavg_lr: B, FedAvg's E and the step sizes.
+      projection_method: Karula's ``projection_method``.
+      rows: each client holds 150-210 rows (784 normal features, labels 0..9); the
+        784-100-10 MLP, output layer personalized; D uniform in [0.5, 1.5].
+    """
+
+    sizes: tuple[int, ...] = (30, 100, 300, 1000)
+    t_values: tuple[float, ...] = (20.0, 0.01)
+    rounds: int = 7
+    rounds_large: int = 3
+    large: int = 1000
+    batch_size: int = 32
+    local_steps: int = 5
+    karula_lr: float = 0.5
+    fedavg_lr: float = 0.05
+    projection_method: str = "auto"
+
+
+QUICK = ScaleConfig(sizes=(30, 100), rounds=3)
+
+
+def make_problem(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(150, 211, size=n)
+    xs = [rng.normal(size=(c, 784)).astype(np.float32) for c in counts]
+    data = from_client_arrays(xs, [rng.integers(0, 10, size=c) for c in counts], num_classes=10)
+    model = mlp(100, 10)
+    params = init_params(model, jax.random.PRNGKey(seed), (1, 784))
+    d = np.triu(rng.uniform(0.5, 1.5, size=(n, n)), 1)
+    return data, params, cross_entropy_loss(model.apply), d + d.T
+
+
+def nbytes(tree) -> int:
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def minimum_bytes(params, pers, n: int, karula: bool) -> int:
+    """What the method must hold: FedAvg one model; Karula the gradient memory n x p,
+    the personalized leaves n x p_pers, the shared leaves once and n^2 dual scalars."""
+    total = nbytes(params)
+    if not karula:
+        return total
+    own = sum(
+        x.nbytes for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(pers), strict=True) if m
+    )
+    return n * total + n * own + (total - own) + 4 * n * n
+
+
+def compiled_round(alg, state, data):
+    """(compiled ``state -> state`` round, compile seconds)."""
+    t0 = time.perf_counter()
+    fn = jax.jit(lambda st: alg.round(st, data)).lower(state).compile()
+    return fn, time.perf_counter() - t0
+
+
+def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
+    data, params, loss, D = make_problem(n)
+    pers = output_layer_mask(params)
+    kw = dict(clients_per_round=max(1, n // 10), batch_size=cfg.batch_size)
+    algs = {
+        "FedAvg": A.fedavg(loss, learning_rate=cfg.fedavg_lr, local_steps=cfg.local_steps, **kw)
+    }
+    for t in cfg.t_values:
+        algs[f"Karula t={t:g}"] = A.karula(
+            loss,
+            D,
+            t=t,
+            learning_rate=cfg.karula_lr,
+            personalized=pers,
+            projection_method=cfg.projection_method,
+            **kw,
+        )
+    states, fns, compile_s = {}, {}, {}
+    for name, alg in algs.items():
+        states[name] = jax.block_until_ready(alg.init(params, data, key=jax.random.PRNGKey(0)))
+        fns[name], compile_s[name] = compiled_round(alg, states[name], data)
+        if name != "FedAvg":  # the same round with the projection replaced by the identity
+            with mock.patch.object(projection, "project", identity_projection):
+                fns[name + " bare"], _ = compiled_round(alg, states[name], data)
+    rounds = cfg.rounds if n < cfg.large else cfg.rounds_large
+    times = {k: [] for k in fns}
+    infos = {k: [] for k in algs}
+    for r in range(rounds + 1):  # round 0 warms up; methods take turns
+        for name, fn in fns.items():
+            base = name.removesuffix(" bare")
+            t0 = time.perf_counter()
+            state, info = jax.block_until_ready(fn(states[base]))
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+            if name == base:
+                states[name] = state
+                if r > 0:
+                    infos[name].append(info)
+    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    rows = []
+    for name in algs:
+        karula = name != "FedAvg"
+        have, need = nbytes(states[name]), minimum_bytes(params, pers, n, karula)
+        row = f"{n} | {name} | {ms[name]:.1f} | {ms[name] / ms['FedAvg']:.1f}x | "
+        row += f"{compile_s[name]:.1f} | {have / 2**20:.1f} | {need / 2**20:.2f} | "
+        row += f"{have / need:.2f}x | "
+        if not karula:
+            rows.append(row + "- | - | - | -")
+            continue
+        share = 1.0 - ms[name + " bare"] / ms[name]
+        its = np.mean([int(i.proj_iterations) for i in infos[name]])
+        lam = np.asarray(states[name].proj_state.lam)
+        active = np.count_nonzero(np.triu(lam, 1)) / (n * (n - 1) / 2)
+        gap = max(float(i.proj_delta) for i in infos[name])
+        rows.append(row + f"{100 * share:.0f}% | {its:.1f} | {100 * active:.1f}% | {gap:.1e}")
+    return rows
+
+
+HEAD = (
+    "n | method | ms / round | vs FedAvg | compile (s) | state MiB | minimum MiB | state / min"
+    " | projection share | projection iterations | pairs with lam > 0 | max certified gap"
+)
+
+
+def to_markdown(cfg, argv, rows) -> str:
+    return "\n".join(
+        [
+            "# FedAvg and Karula rounds as the number of clients grows\n",
+            f"`python -m experiments.bench_scale {' '.join(argv)}`".replace(" `", "`")
+            + f"; {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs "
+            f"(load average {os.getloadavg()[0]:.1f} at the end), no GPU, jax "
+            f"{jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{cfg}.\n",
+            "One process; after one warm-up round the methods take turns round by round "
+            "and the median round is reported. Compile: lowering and compiling one round. "
+            "State: bytes of the `FedState` leaves; minimum: what the method must hold "
+            "(FedAvg one model; Karula the gradient memory n x p, the personalized leaves "
+            "n x p_pers, shared leaves once and n^2 dual scalars). Projection share: 1 - "
+            "(the same round with the projection replaced by the identity) / (the round). "
+            "Pairs with lam > 0: of the n(n-1)/2 multipliers after the last round.\n",
+            markdown_table(HEAD, rows),
+        ]
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
+    parser.add_argument("--sizes", type=str, default=None, help="comma-separated n")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "bench/scale.md")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else ScaleConfig()
+    if args.sizes:
+        cfg = dataclasses.replace(cfg, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    rows = []
+    for n in progress_bar(cfg.sizes, desc="n"):
+        rows += bench_n(cfg, n)
+        print(markdown_table(HEAD, rows[-len(cfg.t_values) - 1 :]), flush=True)
+    given = argv if argv is not None else __import__("sys").argv[1:]
+    publish(to_markdown(cfg, given, rows), args.out, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
