@@ -1,15 +1,17 @@
-"""Federated MNIST on real LEAF writers (paper section 5.2, DESIGN section 6).
+"""Federated MNIST on LEAF writers (paper section 5.2, DESIGN section 6).
 
-Each method's seeds are one :func:`karula_jax.training.run_many` call (metrics every
-``eval_every`` rounds with :mod:`karula_jax.evaluation`); the tables, curves, the
-active-constraint diagnostic and the three-writer figure are written from its result.
-Setup, learning-rate mapping and findings: ``results/femnist/README.md``.
+Seed ``s`` draws which writers take part (``load_leaf(seed=s)`` among the eligible writers
+of the files given), the initial models, participation and minibatches, so the bands cover
+the choice of writers. The hyperparameters the paper does not fix (FedProx's mu, Ditto's
+lambda, the penalty's mu, the clustered FedAvg's k) are chosen by 2-fold client-wise CV on
+a separate tuning draw (:func:`karula_jax.protocol.cross_validate`); then every method's
+seeds are one :func:`karula_jax.training.run_many` call. Findings: ``results/femnist/README.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import pathlib
 import time
 
@@ -20,23 +22,28 @@ import numpy as np
 from experiments.report import (
     DATA_DIR,
     RESULTS,
+    cli,
     mean_se_columns,
+    paired_columns,
     plot_client_triplet,
     plot_curves,
     write_json,
     write_table,
 )
-from karula_jax import algorithms, models
+from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
+from karula_jax import models
 from karula_jax.data import ClientData, client_weights, load_leaf
 from karula_jax.embedding import dissimilarities
-from karula_jax.stats import mean_and_se
-from karula_jax.training import describe_diagnostics, run_many, vmap_algorithm
+from karula_jax.protocol import Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.stats import format_mean_se, mean_and_se
+from karula_jax.training import progress_bar, run_many, vmap_algorithm
 
 __all__ = ["Config", "library_rates", "main", "run_experiment", "three_client_figure"]
 
-METHODS = ("local", "fedavg", "ifca", "karula")
-LABELS = {"local": "Local", "fedavg": "FedAvg", "ifca": "IFCA", "karula": "Karula"}
+METHODS = ("Local", "FedAvg", "IFCA", "Karula")
+METHODS += ("FedProx", "SCAFFOLD", "Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
+TUNING_SEED = 10_000  # the writer draw on which the CV grids are decided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,35 +51,30 @@ class Config:
     """One FEMNIST run.
 
     Command: ``python -m experiments.femnist [--data-dir PATH] [--rounds R] [--seeds S]
-    [--quick] [--rate-scale X] [--t T] [--norm row|l1] [--invert] [--out DIR] [--tag NAME]``;
-    the two configurations of ``results/femnist/`` are the defaults and
-    ``--invert --rate-scale 10 --tag invert_x10``.
+    [--quick] [--rate-scale X] [--t T] [--invert] [--out DIR] [--tag NAME]``; the two
+    configurations of ``results/femnist/`` are the defaults (the paper's rates on LEAF's
+    pixels) and ``--invert --rate-scale 10 --tag invert_x10``.
 
-    Expected (3 seeds, 500 rounds, final mean per-writer test accuracy): paper rates on
-    LEAF inputs: FedAvg = IFCA 87.6, Karula 71-74 (unstable across seeds and reruns), Local
-    64.3; inverted inputs with x10 rates: Karula 93.8, IFCA 93.6, FedAvg 92.8, Local 88.4.
-    Runtime: about 115 s per command on an idle 2-core machine (Karula about 24 s).
+    Expected and runtime: ``results/femnist/README.md`` (8 seeds: about 25 minutes per
+    command on an idle 2-core machine).
 
     Attributes:
       data_dir: LEAF folder with ``train/`` and ``test/`` (FEMNIST digits are used).
-      num_clients: writers ``n`` (the first ones with ``min_samples`` digits).
-      min_samples: smallest number of training digits of a selected writer.
-      clients_per_round: ``s``.
-      batch_size: minibatch size of every gradient.
-      hidden: hidden units of the MLP.
-      rounds: communication rounds.
-      eval_every: rounds per compiled chunk; metrics are recorded after each chunk.
-      seeds: number of seeds (initial model, participation, minibatches), vmapped.
-      paper_rates: the paper's step sizes per method (summed-loss units, see README).
+      num_clients: writers ``n`` drawn per seed among those with ``min_samples`` digits.
+      min_samples: smallest number of training digits of an eligible writer.
+      clients_per_round, batch_size, hidden: ``s``, the minibatch, the MLP's hidden units.
+      rounds: communication rounds; ``eval_every``: rounds between recorded metrics.
+      seeds: seeds (writer draw, initial model, participation, minibatches), vmapped.
+      paper_rates: the paper's step sizes (summed-loss units, see README); FedProx,
+        SCAFFOLD, Ditto and the clustered FedAvg take FedAvg's, the penalty Karula's.
       rate_scale: multiplies every paper rate.
-      fedavg_steps: local SGD steps of FedAvg and IFCA per round.
-      ifca_clusters: IFCA's number of cluster models.
+      local_steps: local SGD steps of the FedAvg family per round.
+      ifca_clusters: IFCA's clusters, each initialized as an independent random model.
       t: Karula's radius scale.
-      norm: ``"row"`` (linearized W1) or ``"l1"`` (the paper's entrywise formula).
-      num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
-      t_grid: values of t for the active-constraint diagnostic (``active.csv``).
-      invert: use ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1; ``D``
-        is unchanged (W1 is invariant under ``x -> 1 - x``).
+      norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
+      invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
+      fedprox_grid, ditto_grid, penalty_grid, cluster_grid: CV grids (penalty: mu / L_f
+        with ``L_f = 1 / karula rate``).
     """
 
     data_dir: str = str(DATA_DIR / "femnist")
@@ -83,74 +85,175 @@ class Config:
     hidden: int = 100
     rounds: int = 500
     eval_every: int = 25
-    seeds: int = 3
+    seeds: int = 8
     paper_rates: tuple[tuple[str, float], ...] = (
         ("local", 2e-4),
         ("fedavg", 1e-4),
-        ("ifca", 1e-4),
         ("karula", 2e-4),
     )
     rate_scale: float = 1.0
-    fedavg_steps: int = 5
+    local_steps: int = 5
     ifca_clusters: int = 3
     t: float = 20.0
     norm: str = "row"
     num_reference: int = 100
     epsilon: float = 0.05
-    t_grid: tuple[float, ...] = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 20.0)
     invert: bool = False
+    fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
+    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
+    penalty_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
+    cluster_grid: tuple[int, ...] = (2, 3, 5)
 
 
 def quick_config(cfg: Config) -> Config:
-    """A tiny version of ``cfg`` for tests: 6 writers, 10 rounds, 2 seeds."""
-    return dataclasses.replace(
-        cfg,
-        num_clients=6,
-        clients_per_round=3,
-        rounds=10,
-        eval_every=5,
-        seeds=2,
-        num_reference=10,
-        t_grid=(0.0, 1.0, 20.0),
-    )
+    """A tiny version of ``cfg`` for tests: 6 writers, 10 rounds, 2 seeds, 2-point grids."""
+    small = dict(num_clients=6, clients_per_round=3, rounds=10, eval_every=5, seeds=2)
+    grids = dict(fedprox_grid=(0.1,), ditto_grid=(0.01, 1.0), penalty_grid=(0.1,))
+    return dataclasses.replace(cfg, num_reference=10, cluster_grid=(2,), **small, **grids)
 
 
-def library_rates(cfg: Config, counts: np.ndarray) -> dict[str, float]:
+def library_rates(cfg: Config, counts) -> dict[str, np.ndarray]:
     """Maps the paper's step sizes to the normalization of ``karula_jax``.
 
     The paper steps ``eta_paper * N_i * grad f_i`` (``f_i`` client i's mean loss).
     ``karula``/``local`` step ``eta * alpha_i / n * grad f_i = eta N_i / N * grad f_i``, so
-    ``eta = eta_paper * N`` gives every client the paper's step; ``fedavg``/``ifca`` step
+    ``eta = eta_paper * N`` gives every client the paper's step; the FedAvg family steps
     ``eta * grad f_i``, so ``eta = eta_paper * mean_i N_i`` gives it to a client of average
     size.
 
     Args:
       cfg: the configuration (its ``paper_rates`` and ``rate_scale``).
-      counts: training samples per client, ``[n]``.
+      counts: training samples per client, ``[..., n]`` (leading axes: e.g. seeds).
 
     Returns:
-      ``{method: learning_rate}`` for the library's factories.
+      ``{"local" | "fedavg" | "karula": learning rate [...]}``.
     """
     counts = np.asarray(counts, dtype=np.float64)
-    factor = {"karula": counts.sum(), "local": counts.sum()}
-    factor |= {"fedavg": counts.mean(), "ifca": counts.mean()}
-    return {m: float(r * cfg.rate_scale * factor[m]) for m, r in cfg.paper_rates}
+    factor = {"karula": counts.sum(-1), "local": counts.sum(-1), "fedavg": counts.mean(-1)}
+    return {m: r * cfg.rate_scale * factor[m] for m, r in cfg.paper_rates}
 
 
-def build_algorithms(cfg: Config, loss_fn, D, personal, rates: dict) -> dict:
-    """The four methods of the paper's FEMNIST figure, keyed by name."""
+def make_methods(cfg: Config, loss, personal) -> dict[str, Method]:
+    """``make(D, rates, clusters, labels, **hyper) -> Algorithm`` for every method."""
     common = dict(clients_per_round=cfg.clients_per_round, batch_size=cfg.batch_size)
-    local = dict(common, local_steps=cfg.fedavg_steps)
+    local = dict(common, local_steps=cfg.local_steps)
+    grid = lambda name, v: {name: np.asarray(v, np.float32)}
+    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
+
+    def ifca(rates, clusters, **_):
+        return A.ifca(
+            loss,
+            num_clusters=cfg.ifca_clusters,
+            learning_rate=rates["fedavg"],
+            initial_clusters=clusters,
+            **local,
+        )
+
+    def ditto(rates, lam, **_):
+        lr = rates["fedavg"]
+        return A.ditto(loss, lam=lam, learning_rate=lr, personal_learning_rate=lr, **local)
+
+    def penalty(D, rates, mu, **_):
+        lr = rates["karula"]
+        return A.laplacian_penalty(
+            loss, D, mu=mu / lr, learning_rate=lr, personalized=personal, **common
+        )
+
+    def clustered(rates, labels, k, **_):
+        lr = rates["fedavg"]
+        return A.clustered_fedavg(loss, labels[k], learning_rate=lr, **local)
+
     return {
-        "local": algorithms.local(loss_fn, learning_rate=rates["local"], **common),
-        "fedavg": algorithms.fedavg(loss_fn, learning_rate=rates["fedavg"], **local),
-        "ifca": algorithms.ifca(
-            loss_fn, num_clusters=cfg.ifca_clusters, learning_rate=rates["ifca"], **local
+        "Local": Method(lambda rates, **_: A.local(loss, learning_rate=rates["local"], **common)),
+        "FedAvg": Method(lambda rates, **_: A.fedavg(loss, learning_rate=rates["fedavg"], **local)),
+        "IFCA": Method(ifca),
+        "Karula": Method(
+            lambda D, rates, **_: A.karula(
+                loss, D, t=cfg.t, learning_rate=rates["karula"], personalized=personal, **common
+            )
         ),
-        "karula": algorithms.karula(
-            loss_fn, D, t=cfg.t, learning_rate=rates["karula"], personalized=personal, **common
+        "FedProx": Method(
+            lambda rates, mu, **_: A.fedprox(loss, mu=mu, learning_rate=rates["fedavg"], **local),
+            grid("mu", cfg.fedprox_grid),
+            label=label("mu"),
+        ),
+        "SCAFFOLD": Method(
+            lambda rates, **_: A.scaffold(loss, learning_rate=rates["fedavg"], **local)
+        ),
+        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Laplacian penalty on D": Method(
+            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+        ),
+        "Clustered FedAvg on D": Method(
+            clustered,
+            {"k": np.arange(len(cfg.cluster_grid))},
+            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
         ),
     }
+
+
+def _draws(cfg: Config, seeds) -> tuple[ClientData, ClientData, list[list[str]]]:
+    """Training and test data of each seed's writer draw, stacked ``[S, n, N, ...]``."""
+    kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
+    sets = [load_leaf(cfg.data_dir, seed=int(s), **kw) for s in seeds]
+    return (
+        stack_datasets([d.train for d in sets]),
+        stack_datasets([d.test for d in sets]),
+        [list(d.writers) for d in sets],
+    )
+
+
+def _member_kwargs(cfg: Config, model, train: ClientData, keys) -> dict:
+    """Per data set: D, the library rates, IFCA's random clusters, spectral labels of D."""
+    embed = jax.jit(
+        jax.vmap(
+            lambda d: dissimilarities(
+                d,
+                key=jax.random.key(0),
+                num_reference=cfg.num_reference,
+                epsilon=cfg.epsilon,
+                num_classes=10,
+                norm=cfg.norm,
+            )
+        )
+    )
+    D, info = embed(train)
+    init = lambda k: models.init_params(model, k, (1, 784))
+    clusters = jax.vmap(  # IFCA paper: k independent random initializations
+        lambda k: jax.vmap(lambda c: init(jax.random.fold_in(k, 100 + c)))(
+            jnp.arange(cfg.ifca_clusters)
+        )
+    )(keys)
+    labels = [[A.cluster_clients(d, k) for k in cfg.cluster_grid] for d in np.asarray(D)]
+    rates = {k: jnp.asarray(v, jnp.float32) for k, v in library_rates(cfg, train.counts).items()}
+    kw = dict(D=D, rates=rates, clusters=clusters, labels=np.asarray(labels, np.int32))
+    return kw, bool(np.all(info.converged))
+
+
+def tune(cfg: Config, model, loss, methods) -> dict[str, dict]:
+    """Picks each grid's point by 2-fold CV (validation log-loss) on the tuning draw."""
+    train, test, _ = _draws(cfg, [TUNING_SEED])
+    keys = jax.random.key(TUNING_SEED)[None]
+    cv = cv_datasets(train, test, 2, key=keys)
+    kw, _ = _member_kwargs(cfg, model, cv.train, cv.per_member(keys))
+    chosen = {}
+    for name, m in methods.items():
+        if len(m.points()) == 1:  # nothing to choose (untuned methods: the empty point)
+            chosen[name] = m.points()[0]
+            continue
+        out = cross_validate(
+            m,
+            models.init_params(model, keys[0], (1, 784)),
+            cv,
+            keys=keys,
+            num_rounds=cfg.rounds,
+            eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
+            score=lambda v: v["nll"].mean(-1),
+            member_kwargs=kw,
+        )
+        chosen[name] = m.points()[out.chosen[0]]
+        print(f"CV on the tuning draw, {name}: {m.labels()} -> {out.chosen_labels[0]}")
+    return {name: point for name, point in chosen.items() if point}
 
 
 def three_client_figure(
@@ -178,219 +281,167 @@ def three_client_figure(
     return trio
 
 
-def _parse(argv) -> tuple[Config, pathlib.Path, str]:
-    p = argparse.ArgumentParser(prog="python -m experiments.femnist", description=__doc__)
-    p.add_argument("--data-dir", default=None, help="LEAF folder (default ../shared/data/femnist)")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--seeds", type=int, default=None)
-    p.add_argument("--rate-scale", type=float, default=None, help="multiply the paper's rates")
-    p.add_argument("--t", type=float, default=None, help="Karula's radius scale")
-    p.add_argument("--norm", choices=("row", "l1"), default=None)
-    p.add_argument("--invert", action="store_true", help="ink 1 on background 0 inputs")
-    p.add_argument("--quick", action="store_true", help="tiny run for tests")
-    p.add_argument("--out", default=str(RESULTS / "femnist"))
-    p.add_argument("--tag", default="", help="suffix of the output file names")
-    a = p.parse_args(argv)
-    cfg = quick_config(Config()) if a.quick else Config()
-    updates = dict(data_dir=a.data_dir, rounds=a.rounds, seeds=a.seeds, rate_scale=a.rate_scale)
-    updates |= dict(t=a.t, norm=a.norm, invert=a.invert or None)
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in updates.items() if v is not None})
-    if cfg.seeds < 2:
-        p.error("--seeds must be >= 2 (standard errors need two seeds)")
-    if cfg.rounds % cfg.eval_every:
-        cfg = dataclasses.replace(cfg, eval_every=cfg.rounds)
-    return cfg, pathlib.Path(a.out), a.tag
-
-
 def main(argv=None) -> dict:
     """Command-line entry point (see :class:`Config`); returns the summary."""
-    return run_experiment(*_parse(argv))
+    cfg, args = cli(
+        Config,
+        argv,
+        quick=quick_config,
+        description=__doc__,
+        out=RESULTS / "femnist",
+        tag=dict(default="", help="suffix of the output file names"),
+    )
+    if cfg.rounds % cfg.eval_every:
+        cfg = dataclasses.replace(cfg, eval_every=cfg.rounds)
+    return run_experiment(cfg, args.out, args.tag)
 
 
 def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
-    """Trains the four methods; writes tables, curves and figures to ``out``."""
+    """Tunes the grids, trains every method on every seed; writes tables and figures."""
     out.mkdir(parents=True, exist_ok=True)
-    sfx = f"_{tag}" if tag else ""
-    t_start = time.perf_counter()
-    data = load_leaf(
-        cfg.data_dir, num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert
-    )
-    train, test = data.train, data.test
-    n, counts = train.num_clients, np.asarray(train.counts)
-    print(f"{n} writers, {counts.sum()} training / {int(test.counts.sum())} test digits")
-
-    t0 = time.perf_counter()
-    D, info = dissimilarities(
-        train,
-        key=jax.random.key(0),
-        num_reference=cfg.num_reference,
-        epsilon=cfg.epsilon,
-        num_classes=10,
-        norm=cfg.norm,
-    )
-    D, d_time = np.asarray(D), time.perf_counter() - t0
-    off = D[np.triu_indices(n, k=1)]
-    d_range = f"[{off.min():.3g}, {off.max():.3g}]"
-    print(
-        f"D ({cfg.norm}) in {d_time:.1f}s, all converged: {bool(np.all(info.converged))}, "
-        f"off-diagonal range {d_range}, median {np.median(off):.3g}"
-    )
-
+    sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
     model = models.mlp(cfg.hidden, 10)
-    seed_keys = jax.random.split(jax.random.key(2024), cfg.seeds)
-    init = lambda k: models.init_params(model, jax.random.fold_in(k, 0), (1, 784))
-    params0 = jax.vmap(init)(seed_keys)
-    run_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys)
+    loss = models.cross_entropy_loss(model.apply)
+    seed_keys = jax.vmap(jax.random.key)(jnp.arange(S))
+    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
     personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
-    rates = library_rates(cfg, counts)
-    algs = build_algorithms(cfg, models.cross_entropy_loss(model.apply), D, personal, rates)
-    alpha = client_weights(train.counts)
+    methods = make_methods(cfg, loss, personal)
+    chosen = tune(cfg, model, loss, methods)
+
+    train, test, writers = _draws(cfg, range(S))
+    kw, converged = _member_kwargs(cfg, model, train, seed_keys)
+    print(f"{S} draws of {cfg.num_clients} writers; D converged: {converged}")
+    alpha = jnp.stack([client_weights(c) for c in train.counts])  # [S, n]
 
     def evaluate(params, data):
-        train, test = data
+        (tr, te), a = data
         return {
-            "train_loss": jnp.mean(alpha * ev.log_loss(model.apply, params, train)),
-            "test_acc_clients": ev.accuracy(model.apply, params, test),
+            "train_loss": jnp.sum(a * ev.log_loss(model.apply, params, tr)) / a.shape[0],
+            "test_acc": ev.accuracy(model.apply, params, te),
         }
 
-    results, runtimes, finals = {}, {}, {}
-    for name in METHODS:
+    results, finals = {}, {}
+    for name in progress_bar(METHODS, desc="methods", unit="method"):
+        make = functools.partial(methods[name].make, **chosen.get(name, {}))
         t0 = time.perf_counter()
         res = run_many(
-            lambda _alg=algs[name]: _alg,
+            make,
             params0,
             train,
-            keys=run_keys,
+            keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
             num_rounds=cfg.rounds,
+            data_per_seed=True,
             params_per_seed=True,
+            batch_kwargs=kw,
             eval_fn=evaluate,
-            eval_data=(train, test),
+            eval_data=((train, test), alpha),
+            eval_data_per_seed=True,
             chunk_size=cfg.eval_every,
             on_nonfinite="record",
-            progress=True,
+            progress=False,
         )
-        finals[name] = vmap_algorithm(lambda _alg=algs[name]: _alg).client_params(res.state, train)
-        runtimes[name], results[name] = time.perf_counter() - t0, res
-        acc = res.metrics["test_acc_clients"][-1].mean(axis=-1)
-        print(
-            f"{LABELS[name]:>7}: lr {rates[name]:.4g}, final mean per-writer test accuracy "
-            f"{100 * acc.mean():.1f}% (seeds {np.round(100 * acc, 1).tolist()}), "
-            f"{runtimes[name]:.1f}s, finite {np.all(res.info.finite, axis=0).tolist()}"
-        )
-        if name == "karula":
-            print(f"         {describe_diagnostics(res.diagnostics)}")
+        batched = vmap_algorithm(make, data_per_seed=True, params_per_seed=True, batch_kwargs=kw)
+        finals[name] = batched.client_params(res.state, train)
+        results[name] = (res, time.perf_counter() - t0)
+        acc = 100 * res.metrics["test_acc"][-1].mean(-1)
+        print(f"{name}: {format_mean_se(*mean_and_se(acc), digits=1)} % ({results[name][1]:.0f} s)")
 
-    # IFCA: how many distinct cluster models the writers use at the end (1 = collapsed)
-    leaves = [np.asarray(a).reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(finals["ifca"])]
+    # ---- table: mean per-writer test accuracy, paired differences with Karula
+    test_counts = np.asarray(test.counts, np.float64)
+    acc = {m: 100 * np.asarray(r.metrics["test_acc"][-1]) for m, (r, _) in results.items()}
+    leaves = [np.asarray(a).reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(finals["IFCA"])]
     ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
-    print(f"IFCA: distinct cluster models in use at the end, per seed: {ifca_used}")
-
-    # ---- tables
-    test_counts = np.asarray(test.counts, dtype=np.float64)
     rows = []
     for name in METHODS:
-        per_client = results[name].metrics["test_acc_clients"][-1]  # [S, n]
+        res, seconds = results[name]
+        a = acc[name]  # [S, n]
         row = mean_se_columns(
-            {"method": LABELS[name]},
-            test_acc=100 * per_client.mean(axis=1),
-            pooled_acc=100 * (per_client * test_counts).sum(axis=1) / test_counts.sum(),
-            train_loss=results[name].metrics["train_loss"][-1],
+            {"method": name},
+            test_acc=a.mean(1),
+            pooled_acc=(a * test_counts).sum(1) / test_counts.sum(1),
+            train_loss=np.asarray(res.metrics["train_loss"][-1]),
         )
-        row["test_acc_2se_writers"] = mean_and_se(100 * per_client.mean(axis=0))[1]
-        row |= dict(learning_rate=rates[name], rounds=cfg.rounds, seeds=cfg.seeds)
-        row |= dict(paper_rate=f"{dict(cfg.paper_rates)[name] * cfg.rate_scale:.3g}")
-        rows.append(row | {"runtime_s": runtimes[name]})
+        paired_columns(row, "karula_minus", acc["Karula"].mean(1), a.mean(1))
+        row |= dict(chosen=", ".join(f"{k}={v:.3g}" for k, v in chosen.get(name, {}).items()))
+        rows.append(row | {"runtime_s": seconds, "finite": bool(np.all(res.info.finite))})
+    if "Clustered FedAvg on D" in chosen:  # name the chosen k, not its grid index
+        k = cfg.cluster_grid[int(chosen["Clustered FedAvg on D"]["k"])]
+        rows[METHODS.index("Clustered FedAvg on D")]["chosen"] = f"k={k}"
     columns = [
         ("method", "method"),
         ("test_acc", "mean per-writer test acc. (%)"),
-        ("test_acc_2se_writers", "2 SE over writers"),
         ("pooled_acc", "pooled test acc. (%)"),
+        ("karula_minus", "Karula minus method (paired)"),
+        ("karula_minus_decided", "decided (> 2 SE)"),
         ("train_loss", "final training loss"),
-        ("paper_rate", "paper rate"),
-        ("learning_rate", "library rate"),
-        ("rounds", "rounds"),
+        ("chosen", "CV choice (tuning draw)"),
         ("runtime_s", "runtime (s)"),
     ]
+    rates = library_rates(cfg, train.counts)
     notes = [
-        f"{n} LEAF writers, {cfg.clients_per_round} per round, minibatch {cfg.batch_size}, "
-        f"784-{cfg.hidden}-10 ReLU MLP, {cfg.seeds} seeds (vmapped), {cfg.rounds} rounds. "
-        f"Karula: t = {cfg.t:g} on D ({cfg.norm} norm), output layer personalized; "
-        f"FedAvg/IFCA: {cfg.fedavg_steps} local steps, IFCA {cfg.ifca_clusters} clusters.",
-        "± is 2 standard errors over seeds; '2 SE over writers' is the spread of the "
-        "seed-averaged per-writer accuracies. Runtime: wall clock of all seeds of the method "
-        "(including compilation) on this machine.",
-        f"IFCA: distinct cluster models in use at the end, per seed: {ifca_used} (1 means "
-        "every writer picks the same cluster, i.e. IFCA ran as FedAvg).",
+        f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
+        f"{cfg.min_samples} training digits, the initial model, participation and minibatches. "
+        f"± is 2 standard errors over seeds; 'Karula minus method' is the paired difference of "
+        f"the seeds' mean accuracies, decided when it exceeds its 2 SE.",
+        f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
+        f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
+        f"pixels, paper rates x {cfg.rate_scale:g} (library rates, seed 0: "
+        + ", ".join(f"{k} {v[0]:.4g}" for k, v in rates.items())
+        + f"). Karula: t = {cfg.t:g} on D ({cfg.norm} norm), output layer personalized (also "
+        f"in the penalty); the FedAvg family: {cfg.local_steps} local "
+        f"steps; IFCA: {cfg.ifca_clusters} independently initialized clusters, in use at the "
+        f"end per seed: {ifca_used}.",
+        f"Grids decided by 2-fold CV on writer draw {TUNING_SEED}: "
+        + "; ".join(f"{m}: {', '.join(methods[m].labels())}" for m in chosen)
+        + ". Runtime: all seeds of a method, compilation included.",
         "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
         "FedAvg 84.4 ± 2.39, IFCA 83.9 ± 2.60.",
     ]
-    digits = dict(test_acc=1, pooled_acc=1, test_acc_2se_writers=1, learning_rate=4, runtime_s=1)
+    digits = dict(test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1)
     title = f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}"
     paths = dict(csv_path=out / f"table{sfx}.csv", md_path=out / f"table{sfx}.md")
-    write_table(rows, columns, title=title, notes=notes, digits=digits, **paths)
+    table = write_table(rows, columns, title=title, notes=notes, digits=digits, **paths)
 
-    # ---- curves
     curves = {
-        LABELS[m]: {
-            "train_loss": results[m].metrics["train_loss"].T,
-            "test_acc": 100 * results[m].metrics["test_acc_clients"].mean(axis=-1).T,
+        m: {
+            "train_loss": np.asarray(r.metrics["train_loss"]).T,
+            "test_acc": 100 * np.asarray(r.metrics["test_acc"]).mean(-1).T,
         }
-        for m in METHODS
+        for m, (r, _) in results.items()
     }
     plot_curves(
-        results["local"].metric_rounds,
+        results["Local"][0].metric_rounds,
         curves,
         out / f"curves{sfx}.png",
         panels=(("train_loss", "training loss"), ("test_acc", "mean per-writer test accuracy (%)")),
-        title=f"FEMNIST, {n} writers, ±2 SE over {cfg.seeds} seeds",
+        title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
     )
-
-    # ---- Karula's constraints: which are active, for the t used and a grid of t
+    # Karula's constraints: the fraction active at the end, per seed
     sq = lambda p, s: ev.pairwise_sq_distances(jax.tree.map(lambda a: a[s], p), personal)
-    active = [ev.active_fraction(sq(finals["karula"], s), D, cfg.t) for s in range(cfg.seeds)]
-    local_sq = [sq(finals["local"], s) for s in range(cfg.seeds)]
-    frac = lambda t: np.mean([ev.active_fraction(q, D, t) for q in local_sq])
-    grid_rows = [{"t": t, "active_fraction_local_heads": frac(t)} for t in cfg.t_grid]
-    write_table(
-        grid_rows,
-        [("t", "t"), ("active_fraction_local_heads", "fraction of violated pairs (Local heads)")],
-        csv_path=out / f"active{sfx}.csv",
-        md_path=out / f"active{sfx}.md",
-        title="Which constraints ||w_i - w_j||^2 <= t D_ij bind",
-        notes=[
-            f"Output-layer parameters of the final Local models vs t D_ij (D: {cfg.norm} norm, "
-            f"off-diagonal range {d_range}). A pair Local violates "
-            "is one that Karula's projection must pull together.",
-            f"Karula at t = {cfg.t:g}: fraction of active pairs at the end, per seed: "
-            f"{np.round(active, 3).tolist()}.",
-        ],
-        digits={"t": 3, "active_fraction_local_heads": 3},
-    )
-
-    # ---- three writers: a random one, its nearest and farthest by D
+    D = np.asarray(kw["D"])
+    active = [ev.active_fraction(sq(finals["Karula"], s), D[s], cfg.t) for s in range(S)]
+    first = jax.tree.map(lambda a: a[0], train)
     trio = three_client_figure(
-        train,
-        data.writers,
-        D,
+        first,
+        writers[0],
+        D[0],
         out / f"clients{sfx}.png",
         invert=cfg.invert,
-        title=f"Dissimilarities D ({cfg.norm} norm) between three FEMNIST writers",
+        title=f"Dissimilarities D ({cfg.norm} norm) between three FEMNIST writers (seed 0)",
     )
     summary = {
         "config": dataclasses.asdict(cfg),
+        "chosen": chosen,
         "ifca_clusters_in_use": ifca_used,
-        "library_rates": rates,
-        "D_offdiag": {"min": off.min(), "median": np.median(off), "max": off.max()},
-        "D_seconds": d_time,
-        "embedding_converged": bool(np.all(info.converged)),
         "karula_active_fraction": active,
-        "karula_proj_iterations_mean": float(np.mean(results["karula"].info.proj_iterations)),
-        "three_clients": {"indices": trio, "writers": [data.writers[i] for i in trio]},
-        "D": D,
+        "embedding_converged": converged,
+        "writers": writers,
+        "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }
     write_json(summary, out / f"summary{sfx}.json")
+    print(table + "\n" + "\n".join(notes))
     print(f"wrote {out} in {summary['total_seconds']:.0f}s")
     return summary
 

@@ -7,7 +7,6 @@ over the seeds' splits. Protocol and findings: ``results/heart_disease/README.md
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import time
@@ -16,7 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import DATA_DIR, RESULTS, mean_se_columns, write_json, write_table
+from experiments.report import (
+    DATA_DIR,
+    RESULTS,
+    cli,
+    mean_se_columns,
+    paired_columns,
+    write_json,
+    write_table,
+)
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax import models
@@ -185,25 +192,12 @@ def _folds(train: ClientData, K: int) -> np.ndarray:
     return ids
 
 
-def _parse(argv) -> tuple[Config, pathlib.Path]:
-    p = argparse.ArgumentParser(prog="python -m experiments.heart_disease", description=__doc__)
-    p.add_argument("--data-dir", default=None, help="heart disease folder")
-    p.add_argument("--seeds", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="tiny run for tests")
-    p.add_argument("--out", default=str(RESULTS / "heart_disease"))
-    a = p.parse_args(argv)
-    cfg = quick_config(Config()) if a.quick else Config()
-    updates = {"data_dir": a.data_dir, "seeds": a.seeds, "rounds": a.rounds}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in updates.items() if v is not None})
-    if cfg.seeds < 2:
-        p.error("--seeds must be >= 2 (standard errors need two seeds)")
-    return cfg, pathlib.Path(a.out)
-
-
 def main(argv=None) -> dict:
     """Command-line entry point (see :class:`Config`); returns the summary."""
-    return run_experiment(*_parse(argv))
+    cfg, args = cli(
+        Config, argv, quick=quick_config, description=__doc__, out=RESULTS / "heart_disease"
+    )
+    return run_experiment(cfg, args.out)
 
 
 def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
@@ -285,10 +279,15 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
             + (f", CV chose {row['cv_choice']}" if row["cv_choice"] else "")
         )
 
+    karula = outcomes["Karula"].metrics["acc"].mean(1)
+    for row, res in zip(rows, outcomes.values(), strict=True):
+        paired_columns(row, "karula_minus", karula, res.metrics["acc"].mean(1))
     columns = [
         ("method", "method"),
         ("test_acc", "mean per-hospital test acc."),
         ("pooled_acc", "pooled test acc."),
+        ("karula_minus", "Karula minus method (paired)"),
+        ("karula_minus_decided", "decided (> 2 SE)"),
         ("test_logloss", "mean per-hospital test log-loss"),
     ]
     columns += [(f"acc_{hn}", hn) for hn in hosp]

@@ -7,7 +7,9 @@ mean in ``k`` and its 2-SE half width in ``k_2se``) and Markdown with ``mean ± 
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 import os
 import pathlib
@@ -16,12 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from karula_jax.stats import format_mean_se, mean_and_se
+from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
 
 __all__ = [
     "DATA_DIR",
+    "cli",
     "RESULTS",
     "mean_se_columns",
+    "paired_columns",
     "plot_client_triplet",
     "plot_curves",
     "plot_heatmaps",
@@ -34,10 +38,68 @@ RESULTS = REPO / "results"
 DATA_DIR = pathlib.Path(os.environ.get("KARULA_DATA_DIR", REPO.parent / "shared" / "data"))
 
 
+def _option_type(field: dataclasses.Field, default: Any):
+    """How a config field is read from the command line, or None if it is not offered."""
+    if isinstance(default, tuple) and default and isinstance(default[0], int | float | str):
+        kind = type(default[0])
+        return lambda text: tuple(kind(v) for v in text.split(","))
+    if isinstance(default, int | float | str) and not isinstance(default, bool):
+        return type(default)
+    if default is None and "float" in str(field.type):
+        return float
+    return None
+
+
+def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, **extra):
+    """Reads a config dataclass from the command line: ``--field-name VALUE`` per field.
+
+    Numbers and strings take one value, tuples of them comma-separated values, a bool
+    field defaulting to False is a flag; ``--quick`` starts from ``quick(config_type())``
+    and ``--out`` names the output. ``extra``: further options, ``name=argparse keywords``.
+
+    Returns:
+      ``(config, namespace)``; the namespace holds ``out``, ``quick`` and the extras.
+    """
+    p = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    p.add_argument("--out", type=pathlib.Path, default=out, help=f"output (default {out})")
+    for name, options in extra.items():
+        p.add_argument("--" + name.replace("_", "-"), **options)
+    fields = {}
+    for f in dataclasses.fields(config_type):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool) and not default:
+            p.add_argument(flag, action="store_true", default=None)
+        elif (kind := _option_type(f, default)) is not None:
+            p.add_argument(flag, type=kind, default=None, metavar=f.name.upper())
+        else:
+            continue
+        fields[f.name] = f
+    args = p.parse_args(argv)
+    cfg = quick(config_type()) if args.quick else config_type()
+    changes = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    cfg = dataclasses.replace(cfg, **changes)
+    if getattr(cfg, "seeds", 2) < 2:
+        p.error("--seeds must be >= 2 (standard errors need two seeds)")
+    return cfg, args
+
+
 def mean_se_columns(row: dict, **values) -> dict:
     """Adds ``row[k]`` (mean over seeds) and ``row[k + "_2se"]`` for every ``k=[S] array``."""
     for key, v in values.items():
         row[key], row[key + "_2se"] = mean_and_se(v)
+    return row
+
+
+def paired_columns(row: dict, key: str, reference, values) -> dict:
+    """Adds the paired difference ``reference - values`` over seeds (``[S]`` each) as
+    ``row[key]`` ± ``row[key + "_2se"]`` and ``row[key + "_decided"]``: "yes" when it
+    exceeds its 2 SE, "no" otherwise, "-" for the reference itself."""
+    diff, band = paired_difference(reference, values)
+    same = np.array_equal(np.asarray(reference), np.asarray(values))
+    row[key], row[key + "_2se"] = diff, band
+    row[key + "_decided"] = "-" if same else ("yes" if abs(diff) > band else "no")
     return row
 
 

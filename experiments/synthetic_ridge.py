@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import pathlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, mean_se_columns, plot_heatmaps, write_json, write_table
+from experiments.report import (
+    RESULTS,
+    cli,
+    mean_se_columns,
+    paired_columns,
+    plot_heatmaps,
+    write_json,
+    write_table,
+)
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.data import ClientData, synthetic_ridge
@@ -132,12 +139,12 @@ class SyntheticConfig:
             raise ValueError("; ".join(bad))
 
 
-def quick_config(seeds: int = 2) -> SyntheticConfig:
-    """A smoke-test configuration: few seeds, rounds and grid points (well under 60 s)."""
+def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
+    """A smoke-test version of ``cfg``: 2 seeds, few rounds and grid points (about 60 s)."""
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
     small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0))
     small |= dict(ditto_grid=(0.1, 1.0), fedprox_grid=(0.1, 1.0), penalty_grid=(0.1, 10.0))
-    return SyntheticConfig(seeds, cluster_grid=(1, 3), **small)
+    return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, cluster_grid=(1, 3), **small)
 
 
 class Batch(NamedTuple):
@@ -404,6 +411,8 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         chosen = ", ".join(f"{v} x{c.count(v)}" for v in sorted(set(c) - {""}))
         row = {"method": name, "cv_choice": chosen or "-"}
         error, r2 = r.metrics["error"].mean(-1), r.metrics["r2"].mean(-1)
+        karula = results["Karula"].metrics["error"].mean(-1)
+        paired_columns(row, "karula_minus", karula, error)
         rows.append(mean_se_columns(row, estimation_error=error, test_r2=r2))
     runtime, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     diagnostics = cfg.diagnostics and (
@@ -426,7 +435,8 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         f"Runtime {runtime:.0f} s wall, {cpu:.0f} s CPU (all threads). Command: `{command}`.",
     ]
     columns = [("method", "Method"), ("estimation_error", "Estimation error")]
-    columns += [("test_r2", "Test R^2"), ("cv_choice", "CV choice")]
+    columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
+    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
     table = write_table(
         rows,
         columns,
@@ -434,7 +444,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         md_path=out / "table.md",
         title="Synthetic ridge regression (paper Table 1)",
         notes=notes,
-        digits={"estimation_error": 2, "test_r2": 3},
+        digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
     )
     summary = {
         "config": dataclasses.asdict(cfg),
@@ -531,33 +541,29 @@ def _generator_option(text: str) -> tuple[str, Any]:
 
 def main(argv: Sequence[str] | None = None):
     """Command-line entry point (see :class:`SyntheticConfig`)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=None, help="seeds (10; 5 with --sensitivity)")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
-    p.add_argument("--out", type=pathlib.Path, default=None, help="output folder")
-    p.add_argument(
-        "--generator",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        type=_generator_option,
-        help="a keyword of karula_jax.data.synthetic_ridge (repeatable)",
+    flags = list(sys.argv[1:] if argv is None else argv)
+    cfg, args = cli(
+        SyntheticConfig,
+        flags,
+        quick=quick_config,
+        description=__doc__,
+        out=None,
+        generator=dict(
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            type=_generator_option,
+            help="a keyword of karula_jax.data.synthetic_ridge (repeatable)",
+        ),
+        sensitivity=dict(action="store_true", help="the five generator settings (5 seeds)"),
     )
-    p.add_argument("--diagnostics", action="store_true", help="also Karula on true/population D")
-    p.add_argument("--sensitivity", action="store_true", help="the five generator settings")
-    args = p.parse_args(argv)
-    seeds = args.seeds or (5 if args.sensitivity else None)
-    if seeds is not None and seeds < 2:
-        p.error("--seeds must be >= 2 (standard errors need two seeds)")
-    cfg = quick_config() if args.quick else SyntheticConfig()
-    changes = {"seeds": None if args.quick and not args.seeds else seeds}
-    changes |= {"generator": dict(args.generator) or None, "diagnostics": args.diagnostics or None}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
-    mode = "sensitivity" if args.sensitivity else "diagnostics" if args.diagnostics else ""
+    cfg = dataclasses.replace(cfg, generator=dict(args.generator) or cfg.generator)
+    if args.sensitivity and "--seeds" not in flags:
+        cfg = dataclasses.replace(cfg, seeds=5)
+    mode = "sensitivity" if args.sensitivity else "diagnostics" if cfg.diagnostics else ""
     out = args.out or RESULTS / "_".join(["synthetic", mode] if mode else ["synthetic"])
     if args.sensitivity:
         return run_sensitivity(cfg, out)
-    flags = list(sys.argv[1:] if argv is None else argv)
     if args.out is not None:  # the output folder is not part of what was run
         flags = [a for a in flags if a not in ("--out", str(args.out))]
     return run_experiment(

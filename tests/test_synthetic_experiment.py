@@ -109,7 +109,7 @@ def test_batch_holds_normalized_true_and_population_D():
 
 def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
     settings = {"grouped": {"group_feature_std": 0.3}}
-    rows = sr.run_sensitivity(sr.quick_config(2), tmp_path, settings)
+    rows = sr.run_sensitivity(sr.quick_config(), tmp_path, settings)
     assert [r["setting"] for r in rows] == ["grouped"]
     sub = json.loads((tmp_path / "grouped" / "config.json").read_text())
     assert sub["config"]["generator"] == {"group_feature_std": 0.3}
