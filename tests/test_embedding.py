@@ -166,16 +166,35 @@ def test_padding_changes_nothing(ridge, ridge_d):
     )
 
 
-def test_batched_solve_matches_vmap(ridge):
+@pytest.mark.parametrize("momentum_start", [None, 50])
+def test_batched_solve_matches_vmap(ridge, momentum_start):
     joint = embedding.joint_samples(ridge.train)
     counts = ridge.train.counts
     ref = embedding.gaussian_reference(joint, counts, num_reference=40, key=KEY)
-    full = embedding.embed(joint, counts, ref)
-    batched = embedding.embed(joint, counts, ref, batch_size=3, return_plans=False)
-    assert batched.plans is None
-    np.testing.assert_allclose(batched.maps, full.maps, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(batched.converged, full.converged)
-    np.testing.assert_array_equal(batched.iterations, full.iterations)
+    kw = {"momentum_start": momentum_start}
+    full = embedding.embed(joint, counts, ref, batch_size=None, **kw)
+    for b in (3, 8, 100):  # a remainder batch; one batch; larger than n
+        batched = embedding.embed(joint, counts, ref, batch_size=b, return_plans=False, **kw)
+        assert batched.plans is None
+        np.testing.assert_allclose(batched.maps, full.maps, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(batched.converged, full.converged)
+        np.testing.assert_array_equal(batched.iterations, full.iterations)
+
+
+def test_acceleration_keeps_ranking_in_fewer_iterations(ridge):
+    # Small epsilon: plain Sinkhorn (momentum_start=None, the former solver) against the
+    # default over-relaxed run plus plain polish, both ranked against exact W1 (POT).
+    joint = embedding.joint_samples(ridge.train)
+    w = _exact_w1(joint, ridge.train.counts)
+    kw = {"key": KEY, "num_reference": 40, "epsilon": 0.02}
+    d_old, old = embedding.dissimilarities(ridge.train, momentum_start=None, **kw)
+    d_new, new = embedding.dissimilarities(ridge.train, **kw)
+    assert bool(old.converged.all()) and bool(new.converged.all())
+    assert _spearman_upper(d_new, w) >= _spearman_upper(d_old, w) - 0.005
+    np.testing.assert_allclose(d_new, d_old, rtol=0.02, atol=1e-3)
+    assert np.asarray(new.iterations).sum() < 0.5 * np.asarray(old.iterations).sum()
+    # The polish leaves both marginals within the threshold.
+    assert np.asarray(new.marginal_error).max() <= embedding.DEFAULT_THRESHOLD
 
 
 def test_non_convergence_is_reported(ridge):
@@ -240,6 +259,11 @@ def test_compiles_once_for_same_shapes(ridge, monkeypatch):
     for k in range(2):  # other values, keys and epsilon: no second trace
         embedding.dissimilarities(other, key=jax.random.PRNGKey(k), num_reference=40, epsilon=0.1)
 
+    # Batches of clients (lax.map, with a remainder batch) are one trace too.
+    chex.clear_trace_counter()
+    for k in range(2):
+        embedding.dissimilarities(tr, key=jax.random.PRNGKey(k), num_reference=40, batch_size=3)
+
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
@@ -252,6 +276,9 @@ def test_compiles_once_for_same_shapes(ridge, monkeypatch):
         ({"reference": jnp.full((5, 6), jnp.nan)}, "reference"),
         ({"key": None}, "key"),
         ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": -2}, "batch_size"),
+        ({"momentum_start": 0}, "momentum_start"),
+        ({"momentum_start": 19}, "momentum_start"),
     ],
 )
 def test_bad_input(ridge, kwargs, match):
