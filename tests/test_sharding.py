@@ -1,7 +1,9 @@
 """Client-axis and batch-axis sharding (DESIGN §8) on 4 simulated CPU devices.
 
-The device count of a JAX process is fixed at start-up, so the check runs this file as a
-script in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
+The device count of a JAX process is fixed at start-up, so the checks run in a subprocess
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: this file as a script (the toy
+algorithm of the driver tests), and ``_distributed_runs.py`` (Karula and FedAvg, both
+shard modes) in one process (``tests/test_distributed.py`` runs it in two).
 """
 
 import json
@@ -110,6 +112,8 @@ def test_sharded_run_equals_unsharded_on_4_devices():
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
+    # The repository itself, whether or not (or wherever) the package is installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__],
         env=env,
@@ -134,6 +138,31 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert "cannot shard the batch axis [S] of length 2 over a mesh of 4" in errors["batch"]
     assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["clients"]
     assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["run"]
+
+
+def test_karula_and_fedavg_on_4_devices_equal_one_device(tmp_path):
+    from _distributed_runs import RUNS, collect, launch, reference
+
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    procs = launch(tmp_path, num_processes=1, local_devices=None, env={"XLA_FLAGS": flags.strip()})
+    ref = reference(RUNS)  # compiled here while the worker starts up
+    (out,) = collect(procs, timeout=240)
+    assert int(out["global_devices"]) == 4
+    # Karula: one run, clients split; FedAvg: seeds split; FedAvg grid: clients split.
+    assert set(RUNS) == {"karula", "fedavg", "fedavg_grid"}
+    for name in RUNS:
+        assert out[name].shape == ref[name].shape
+        np.testing.assert_allclose(out[name], ref[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=1e-5)
+        np.testing.assert_array_equal(out[f"{name}_participants"], ref[f"{name}_participants"])
+
+
+def test_gather_to_host_in_one_process_is_device_get():
+    mesh = training.client_mesh(jax.devices()[:1])
+    tree = training.shard_leading_axis({"x": jnp.arange(6.0).reshape(3, 2)}, mesh)
+    host = training.gather_to_host(tree)
+    assert isinstance(host["x"], np.ndarray)
+    np.testing.assert_array_equal(host["x"], np.arange(6.0).reshape(3, 2))
 
 
 def test_shard_leading_axis_replicates_what_does_not_divide():

@@ -9,7 +9,8 @@
   :func:`product_grid`).
 * :mod:`~karula_jax.training.checkpoint`: ``.npz`` checkpoints (no pickle, atomic) and
   the fingerprints that make a resume refuse another run.
-* :mod:`~karula_jax.training.sharding`: the client or batch axis on a device mesh.
+* :mod:`~karula_jax.training.sharding`: the client or batch axis on a device mesh
+  (one process or several: :func:`gather_to_host`).
 * :mod:`~karula_jax.training.progress`: tqdm bars (:func:`progress_bar`).
 * :mod:`~karula_jax.training.reports`: projection diagnostics
   (:func:`round_diagnostics`, :class:`ProjectionNotConvergedWarning`).
@@ -24,7 +25,7 @@ from karula_jax.training.reports import (
     describe_diagnostics,
     round_diagnostics,
 )
-from karula_jax.training.sharding import client_mesh, shard_leading_axis
+from karula_jax.training.sharding import client_mesh, gather_to_host, shard_leading_axis
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -32,6 +33,7 @@ __all__ = [
     "RunResult",
     "client_mesh",
     "describe_diagnostics",
+    "gather_to_host",
     "load_checkpoint",
     "product_grid",
     "progress_bar",

@@ -44,7 +44,7 @@ from karula_jax.training.reports import (
     round_diagnostics,
     warn_unconverged,
 )
-from karula_jax.training.sharding import Placement, client_placement
+from karula_jax.training.sharding import Placement, client_placement, gather_to_host
 
 __all__ = ["RunResult", "run", "scan_rounds"]
 
@@ -182,7 +182,7 @@ def _check_metrics(out: Any) -> dict[str, np.ndarray]:
     for k in out:
         if not isinstance(k, str):
             raise TypeError(f"eval_fn must return a dict with str keys, got key {k!r}")
-    return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
+    return {k: gather_to_host(v) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------- driver
@@ -245,7 +245,11 @@ def run(
         settings are expected to diverge).
       mesh: if given, the client axis (the leading axis of the state's and the data's
         leaves) is split over this 1-D mesh (:func:`client_mesh`); leaves without it
-        are replicated. The number of clients must be a multiple of the mesh size.
+        are replicated. The number of clients must be a multiple of the mesh size. The
+        mesh may span several processes (``jax.distributed``; every process makes the
+        same call with the same inputs and gets the whole history; the state stays
+        split, :func:`gather_to_host` fetches it; no checkpoints, and the progress bar
+        is drawn by process 0 only).
       progress: show a tqdm progress bar on stderr (rounds, last loss, latest metrics).
 
     Returns:
@@ -323,6 +327,11 @@ def run_chunks(
     )
     if resume and not os.path.isfile(ckpt_path):
         raise ValueError(f"resume=True but there is no checkpoint at {ckpt_path}")
+    if checkpoint_dir is not None and jax.process_count() > 1:
+        raise ValueError(
+            f"checkpoint_dir is not supported with {jax.process_count()} processes "
+            "(jax.distributed): the checkpoint would have to gather the state on one host"
+        )
     if checkpoint_dir is not None:
         ckpt.prepare_checkpoint_dir(checkpoint_dir)
     if placement is not None:
@@ -423,14 +432,14 @@ def run_chunks(
     )
     timings["compile_s"] = time.perf_counter() - t0
 
-    bar = RoundBar(num_rounds, done, progress, desc)
+    bar = RoundBar(num_rounds, done, progress and jax.process_index() == 0, desc)
     first_bad: int | None = None
     try:
         while done < num_rounds:
             active = min(chunk_size, num_rounds - done)
             t0 = time.perf_counter()
             state, info = compiled(state, data, jnp.int32(active))
-            info = RoundInfo(*(np.asarray(a)[:active] for a in jax.device_get(info)))
+            info = RoundInfo(*(a[:active] for a in gather_to_host(info)))
             dt = time.perf_counter() - t0
             timings["run_s"] += dt
             best_rate = max(best_rate, active / dt)

@@ -10,6 +10,13 @@ Two axes can be split over the devices of a 1-D mesh:
 
 Sharding never changes what is computed, only where (results equal the unsharded run up to
 float rounding of reductions split across devices).
+
+The mesh may span several processes (hosts): call ``jax.distributed.initialize`` in every
+process, build the mesh from the global ``jax.devices()`` and make the same calls in every
+process. The driver then fetches round info and metrics with :func:`gather_to_host`, so
+every process gets the whole history; the final state stays a global ``jax.Array``
+(gather it with :func:`gather_to_host`). ``tests/_distributed_runs.py`` is the worked
+example (two CPU processes on the loopback address).
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["client_mesh", "shard_leading_axis"]
+__all__ = ["client_mesh", "gather_to_host", "shard_leading_axis"]
 
 
 def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
@@ -38,6 +46,45 @@ def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
     if not devices:
         raise ValueError("devices must be a non-empty sequence of jax devices")
     return Mesh(np.array(devices), (axis_name,))
+
+
+def gather_to_host(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a numpy array holding its global value, in every process.
+
+    A ``jax.Array`` split over devices of other processes (a mesh spanning hosts) is
+    gathered with ``multihost_utils.process_allgather``, a collective: every process must
+    call this on the same tree. Other leaves are copied to the host as they are. In a
+    single process this is ``jax.device_get``.
+
+    Args:
+      tree: pytree of arrays (not PRNG key arrays when they span processes).
+
+    Returns:
+      The tree with ``np.ndarray`` leaves.
+    """
+
+    def get(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
+
+
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """``jax.device_put(x, sharding)``, also for process-local arrays on a multi-process mesh.
+
+    With several processes, ``device_put`` refuses a committed array that lives on this
+    process's devices only (e.g. the output of a program none of whose inputs spanned the
+    mesh); such an array goes through the host, a PRNG key array through its key data.
+    Every process must pass the same value.
+    """
+    if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = _put(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        x = np.asarray(x)
+    return jax.device_put(x, sharding)
 
 
 def _mesh_axis(mesh: Mesh) -> tuple[str, int]:
@@ -68,7 +115,7 @@ def shard_leading_axis(tree: Any, mesh: Mesh) -> Any:
     def place(x):
         shape = np.shape(x)
         target = split if len(shape) >= 1 and shape[0] % size == 0 else replicated
-        return jax.device_put(x, target)
+        return _put(x, target)
 
     return jax.tree.map(place, tree)
 
@@ -84,8 +131,8 @@ def split_axis(tree: Any, mesh: Mesh, *, axis: int | None, length: int) -> Any:
     def place(x):
         shape = np.shape(x)
         if axis is not None and len(shape) > axis and shape[axis] == length:
-            return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*[None] * axis, name)))
-        return jax.device_put(x, replicated)
+            return _put(x, NamedSharding(mesh, PartitionSpec(*[None] * axis, name)))
+        return _put(x, replicated)
 
     return jax.tree.map(place, tree)
 
