@@ -366,11 +366,8 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
             train_loss=np.asarray(res.metrics["train_loss"][-1]),
         )
         paired_columns(row, "karula_minus", acc["Karula"].mean(1), a.mean(1))
-        row |= dict(chosen=", ".join(f"{k}={v:.3g}" for k, v in chosen.get(name, {}).items()))
+        row["chosen"] = methods[name].label(chosen[name]) if name in chosen else ""
         rows.append(row | {"runtime_s": seconds, "finite": bool(np.all(res.info.finite))})
-    if "Clustered FedAvg on D" in chosen:  # name the chosen k, not its grid index
-        k = cfg.cluster_grid[int(chosen["Clustered FedAvg on D"]["k"])]
-        rows[names.index("Clustered FedAvg on D")]["chosen"] = f"k={k}"
     columns = [
         ("method", "method"),
         ("test_acc", "mean per-writer test acc. (%)"),
