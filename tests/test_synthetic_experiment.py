@@ -57,6 +57,9 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
         "test_r2",
         "test_r2_2se",
         "cv_choice",
+        "karula_minus",
+        "karula_minus_2se",
+        "karula_minus_decided",
     }
     for r in rows:
         for key in ("estimation_error", "estimation_error_2se", "test_r2", "test_r2_2se"):
