@@ -64,6 +64,7 @@ class Config:
       ditto_grid, fedprox_grid: Ditto's lambda and FedProx's mu.
       penalty_grid: mu / L_f of the Laplacian penalty on D (Karula's step size).
       cluster_grid: k of the clustered FedAvg (spectral clustering of each data set's D).
+      methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
     """
 
@@ -83,6 +84,7 @@ class Config:
     fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     penalty_grid: tuple[float, ...] = (1e-3, 1e-2, 0.1, 1.0, 10.0)
     cluster_grid: tuple[int, ...] = (1, 2, 3)
+    methods: tuple[str, ...] = METHODS
     num_reference: int = 100
     epsilon: float = 0.05
 
@@ -91,6 +93,7 @@ def quick_config(cfg: Config) -> Config:
     """A small version of ``cfg`` for tests."""
     grids = dict(t_grid=(0.0, 1.0, float("inf")), ditto_grid=(0.1, 1.0), fedprox_grid=(0.1,))
     grids |= dict(penalty_grid=(0.1, 10.0), cluster_grid=(1, 2))
+    grids |= dict(methods=METHODS[:6] + ("FedProx", "SCAFFOLD", "Laplacian penalty on D"))
     return dataclasses.replace(cfg, seeds=2, rounds=100, folds=2, num_reference=20, **grids)
 
 
@@ -246,9 +249,10 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     # hospitals), final fits on each seed's full training rows
     rows, outcomes = [], {}
     test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
-    grids = [f"{m}: {', '.join(methods[m].labels())}" for m in METHODS if methods[m].tuned]
+    names = [m for m in METHODS if m in cfg.methods or m == "Karula"]
+    grids = [f"{m}: {', '.join(methods[m].labels())}" for m in names if methods[m].tuned]
     print("CV grids: " + "; ".join(grids))
-    for name in progress_bar(METHODS, desc="methods", unit="method"):
+    for name in progress_bar(names, desc="methods", unit="method"):
         res = outcomes[name] = cross_validate(
             methods[name],
             models.linear_params(train.x.shape[-1]),

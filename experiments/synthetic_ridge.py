@@ -92,7 +92,7 @@ class SyntheticConfig:
       generator: further keywords of :func:`karula_jax.data.synthetic_ridge`.
       normalize_D: divide every data set's D by its mean off-diagonal entry.
       diagnostics: also train Karula on the true and on a population D.
-      extra_methods: also run the methods of ``EXTRA`` (not in the paper).
+      methods: which of ``METHODS + EXTRA`` to run (Karula always runs: the paired reference).
       population_rows: rows per client behind the population D.
     """
 
@@ -124,7 +124,7 @@ class SyntheticConfig:
     generator: dict[str, Any] = dataclasses.field(default_factory=dict)
     normalize_D: bool = True
     diagnostics: bool = False
-    extra_methods: bool = True
+    methods: tuple[str, ...] = METHODS + EXTRA
     population_rows: int = 1000
 
     def __post_init__(self):
@@ -145,7 +145,8 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
     small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0))
     small |= dict(ditto_grid=(0.1, 1.0), fedprox_grid=(0.1, 1.0), penalty_grid=(0.1, 10.0))
-    return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, cluster_grid=(1, 3), **small)
+    small |= dict(methods=METHODS + ("Ditto", "Clustered FedAvg on D"), cluster_grid=(1, 3))
+    return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, **small)
 
 
 class Batch(NamedTuple):
@@ -377,7 +378,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     if not batch.embedding_converged.all():
         log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
     specs = methods(cfg, int(batch.cv.train.x.shape[2]))
-    names = METHODS + EXTRA * cfg.extra_methods
+    names = [m for m in METHODS + EXTRA if m in cfg.methods or m == "Karula"]
     grids = [f"{name}: {', '.join(specs[name].labels())}" for name in names if specs[name].tuned]
     log("CV grids: " + "; ".join(grids))
     results = {
@@ -493,7 +494,7 @@ def run_sensitivity(base: SyntheticConfig, out, settings=SETTINGS) -> list[dict[
         print(f"=== {name}: {generator}", flush=True)
         command = f"python -m experiments.synthetic_ridge --sensitivity ({name})"
         summary = run_experiment(
-            dataclasses.replace(base, generator=dict(generator), extra_methods=False),
+            dataclasses.replace(base, generator=dict(generator), methods=METHODS),
             out / name,
             command=command,
         )

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from karula_jax import projection as proj
 from karula_jax.projection.dykstra import _round_robin
 
-SOLVERS = proj.METHODS
+SOLVERS = ("dykstra", "laplacian")  # "auto" is one of these (test_projection.py)
 KINDS = ("cauchy", "groups", "zeros", "extreme")
 
 
