@@ -35,7 +35,14 @@ from karula_jax import evaluation as ev
 from karula_jax import models
 from karula_jax.data import ClientData, client_weights, load_leaf
 from karula_jax.embedding import dissimilarities
-from karula_jax.protocol import Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.protocol import (
+    Method,
+    choice_grid,
+    cross_validate,
+    cv_datasets,
+    scalar_grid,
+    stack_datasets,
+)
 from karula_jax.stats import format_mean_se, mean_and_se
 from karula_jax.training import progress_bar, run_many, vmap_algorithm
 
@@ -140,8 +147,6 @@ def make_methods(cfg: Config, loss, personal) -> dict[str, Method]:
     """``make(D, rates, clusters, labels, **hyper) -> Algorithm`` for every method."""
     common = dict(clients_per_round=cfg.clients_per_round, batch_size=cfg.batch_size)
     local = dict(common, local_steps=cfg.local_steps)
-    grid = lambda name, v: {name: np.asarray(v, np.float32)}
-    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
 
     def ifca(rates, clusters, **_):
         return A.ifca(
@@ -177,21 +182,16 @@ def make_methods(cfg: Config, loss, personal) -> dict[str, Method]:
         ),
         "FedProx": Method(
             lambda rates, mu, **_: A.fedprox(loss, mu=mu, learning_rate=rates["fedavg"], **local),
-            grid("mu", cfg.fedprox_grid),
-            label=label("mu"),
+            **scalar_grid("mu", cfg.fedprox_grid),
         ),
         "SCAFFOLD": Method(
             lambda rates, **_: A.scaffold(loss, learning_rate=rates["fedavg"], **local)
         ),
-        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Ditto": Method(ditto, **scalar_grid("lam", cfg.ditto_grid)),
         "Laplacian penalty on D": Method(
-            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+            penalty, **scalar_grid("mu", cfg.penalty_grid, shown="mu/L_f")
         ),
-        "Clustered FedAvg on D": Method(
-            clustered,
-            {"k": np.arange(len(cfg.cluster_grid))},
-            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
-        ),
+        "Clustered FedAvg on D": Method(clustered, **choice_grid("k", cfg.cluster_grid)),
     }
 
 

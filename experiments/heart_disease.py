@@ -29,7 +29,14 @@ from karula_jax import evaluation as ev
 from karula_jax import models
 from karula_jax.data import ClientData, load_heart_disease
 from karula_jax.embedding import dissimilarities
-from karula_jax.protocol import Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.protocol import (
+    Method,
+    choice_grid,
+    cross_validate,
+    cv_datasets,
+    scalar_grid,
+    stack_datasets,
+)
 from karula_jax.training import progress_bar
 
 __all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
@@ -136,8 +143,6 @@ def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
     def clustered(labels, L_max, k, **_):
         return A.clustered_fedavg(loss, labels[k], learning_rate=0.1 / L_max, **local)
 
-    grid = lambda name, v: {name: np.asarray(v, np.float32)}
-    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
     return {
         "Local": Method(lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common)),
         "FedSGD": Method(
@@ -155,19 +160,14 @@ def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
         ),
         "FedProx": Method(
             lambda L_max, mu, **_: A.fedprox(loss, mu=mu, learning_rate=0.1 / L_max, **local),
-            grid("mu", cfg.fedprox_grid),
-            label=label("mu"),
+            **scalar_grid("mu", cfg.fedprox_grid),
         ),
         "SCAFFOLD": Method(lambda L_max, **_: A.scaffold(loss, learning_rate=0.1 / L_max, **local)),
-        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Ditto": Method(ditto, **scalar_grid("lam", cfg.ditto_grid)),
         "Laplacian penalty on D": Method(
-            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+            penalty, **scalar_grid("mu", cfg.penalty_grid, shown="mu/L_f")
         ),
-        "Clustered FedAvg on D": Method(
-            clustered,
-            {"k": np.arange(len(cfg.cluster_grid))},
-            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
-        ),
+        "Clustered FedAvg on D": Method(clustered, **choice_grid("k", cfg.cluster_grid)),
     }
 
 

@@ -36,7 +36,15 @@ from karula_jax import evaluation as ev
 from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
-from karula_jax.protocol import CVData, Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.protocol import (
+    CVData,
+    Method,
+    choice_grid,
+    cross_validate,
+    cv_datasets,
+    scalar_grid,
+    stack_datasets,
+)
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
 from karula_jax.training import progress_bar
 
@@ -277,8 +285,6 @@ def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
 
     ks = [{"k": int(k)} for k in cfg.k_grid]
     lams, ts = {"lam": np.asarray(cfg.pfedme_grid)}, {"t": np.asarray(cfg.t_grid)}
-    grid = lambda name, v: {name: np.asarray(v, np.float32)}
-    label = lambda name: lambda h: f"{name}={h[name]:.3g}"
     return {
         "Local": Method(local),
         "FedSGD": Method(fedsgd),
@@ -286,17 +292,13 @@ def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
         "IFCA": Method(ifca, static_grid=ks, label=lambda h: f"k={h['k']}"),
         "pFedMe": Method(pfedme, lams, label=lambda h: f"lambda={h['lam']:.3g}"),
         "Karula": Method(karula, ts, label=lambda h: f"t={h['t']:.3g}"),
-        "FedProx": Method(fedprox, grid("mu", cfg.fedprox_grid), label=label("mu")),
+        "FedProx": Method(fedprox, **scalar_grid("mu", cfg.fedprox_grid)),
         "SCAFFOLD": Method(scaffold),
-        "Ditto": Method(ditto, grid("lam", cfg.ditto_grid), label=label("lam")),
+        "Ditto": Method(ditto, **scalar_grid("lam", cfg.ditto_grid)),
         "Laplacian penalty on D": Method(
-            penalty, grid("mu", cfg.penalty_grid), label=lambda h: f"mu/L_f={h['mu']:.3g}"
+            penalty, **scalar_grid("mu", cfg.penalty_grid, shown="mu/L_f")
         ),
-        "Clustered FedAvg on D": Method(
-            clustered,
-            {"k": np.arange(len(cfg.cluster_grid))},
-            label=lambda h: f"k={cfg.cluster_grid[int(h['k'])]}",
-        ),
+        "Clustered FedAvg on D": Method(clustered, **choice_grid("k", cfg.cluster_grid)),
     }
 
 

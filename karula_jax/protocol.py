@@ -35,7 +35,16 @@ from karula_jax.algorithms.base import Algorithm
 from karula_jax.data.clients import ClientData
 from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
 
-__all__ = ["CVData", "CVOutcome", "Method", "cross_validate", "cv_datasets", "stack_datasets"]
+__all__ = [
+    "CVData",
+    "CVOutcome",
+    "Method",
+    "choice_grid",
+    "cross_validate",
+    "cv_datasets",
+    "scalar_grid",
+    "stack_datasets",
+]
 
 
 def _pad_rows(data: ClientData, rows: int) -> ClientData:
@@ -154,6 +163,25 @@ class Method(NamedTuple):
             return [""]
         name = self.label or (lambda p: ", ".join(f"{k}={v:.3g}" for k, v in p.items()))
         return [name(p) for p in self.points()]
+
+
+def scalar_grid(name: str, values, *, shown: str | None = None) -> dict[str, Any]:
+    """``Method`` keywords for a traced grid of one scalar argument ``name``; points are
+    labelled ``shown=value`` (``shown`` defaults to ``name``)."""
+    text = shown or name
+    return dict(
+        grid={name: np.asarray(values, np.float32)}, label=lambda p: f"{text}={p[name]:.3g}"
+    )
+
+
+def choice_grid(name: str, choices) -> dict[str, Any]:
+    """``Method`` keywords for a traced grid over ``choices`` by index (e.g. a number of
+    clusters whose labels the member arguments hold per choice): ``make`` receives the
+    index as ``name``; labels show the choice."""
+    choices = list(choices)
+    return dict(
+        grid={name: np.arange(len(choices))}, label=lambda p: f"{name}={choices[int(p[name])]}"
+    )
 
 
 class CVOutcome(NamedTuple):

@@ -9,7 +9,14 @@ from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.data import from_client_arrays
 from karula_jax.models import ridge_loss
-from karula_jax.protocol import Method, cross_validate, cv_datasets, stack_datasets
+from karula_jax.protocol import (
+    Method,
+    choice_grid,
+    cross_validate,
+    cv_datasets,
+    scalar_grid,
+    stack_datasets,
+)
 from karula_jax.training import run_many
 
 
@@ -76,6 +83,10 @@ def test_method_points_cross_static_and_traced_grids():
     ]
     assert m.labels()[-1] == "k=3, t=2" and m.tuned
     assert Method(lambda **_: None).labels() == [""]
+    m = Method(lambda **_: None, **scalar_grid("mu", [0.5, 2.0], shown="mu/L"))
+    assert m.labels() == ["mu/L=0.5", "mu/L=2"] and m.points()[1] == {"mu": np.float32(2.0)}
+    m = Method(lambda **_: None, **choice_grid("k", (2, 5)))
+    assert m.labels() == ["k=2", "k=5"] and [p["k"] for p in m.points()] == [0, 1]
 
 
 def test_cross_validate_matches_a_hand_made_selection():
