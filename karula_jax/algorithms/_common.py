@@ -33,7 +33,7 @@ from karula_jax._checks import (
     check_positive_int,
     concrete,
 )
-from karula_jax.algorithms.base import RoundInfo
+from karula_jax.algorithms.base import FedState, RoundInfo
 from karula_jax.data.clients import ClientData, client_weights
 
 __all__ = [
@@ -212,6 +212,18 @@ def weighted_mean(tree: Any, w: jnp.ndarray) -> Any:
 def broadcast(tree: Any, n: int) -> Any:
     """Every leaf repeated along a new leading client axis of size ``n``."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
+
+
+def start_state(params: Any, n: int, key_run, *, memory: Any = (), extra: Any = ()):
+    """The state of round 0 when every client starts from one model ``params``."""
+    return FedState(
+        params=broadcast(params, n),
+        memory=memory,
+        proj_state=(),
+        extra=extra,
+        key=key_run,
+        round=jnp.zeros((), jnp.int32),
+    )
 
 
 def client_keys(key: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:

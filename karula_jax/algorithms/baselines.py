@@ -20,17 +20,6 @@ from karula_jax.data.clients import ClientData
 __all__ = ["fedavg", "fedsgd", "local"]
 
 
-def _start(params, n: int, key_run, memory=()) -> FedState:
-    return FedState(
-        params=C.broadcast(params, n),
-        memory=memory,
-        proj_state=(),
-        extra=(),
-        key=key_run,
-        round=jnp.zeros((), jnp.int32),
-    )
-
-
 def local(
     loss: LossFn,
     *,
@@ -75,7 +64,7 @@ def local(
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
         _s(data)
-        return _start(params, data.num_clients, C.run_key(key))
+        return C.start_state(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients
@@ -141,11 +130,11 @@ def fedsgd(
         n = data.num_clients
         C.check_clients_per_round(s, n)
         if not memory:
-            return _start(params, n, C.run_key(key))
+            return C.start_state(params, n, C.run_key(key))
         key_init, key_run = C.init_and_run_keys(key)
         alpha = C.resolve_weights(weights, data)
         mem = init_memory(loss, C.broadcast(params, n), data, alpha, key_init, B)
-        return _start(params, n, key_run, memory=mem)
+        return C.start_state(params, n, key_run, memory=mem)
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients
@@ -213,7 +202,7 @@ def fedavg(
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        return _start(params, data.num_clients, C.run_key(key))
+        return C.start_state(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)

@@ -265,14 +265,7 @@ def clustered_fedavg(
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
         _check_data(data)
-        return FedState(
-            params=C.broadcast(params, data.num_clients),
-            memory=(),
-            proj_state=(),
-            extra=(),
-            key=C.run_key(key),
-            round=jnp.zeros((), jnp.int32),
-        )
+        return C.start_state(params, data.num_clients, C.run_key(key))
 
     def round_fn(state: FedState, data):
         _check_data(data)

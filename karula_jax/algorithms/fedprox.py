@@ -10,7 +10,7 @@ from jax import lax
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, LossFn
-from karula_jax.algorithms.baselines import _aggregate, _start
+from karula_jax.algorithms.baselines import _aggregate
 from karula_jax.data.clients import ClientData
 
 __all__ = ["fedprox"]
@@ -83,7 +83,7 @@ def fedprox(
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        return _start(params, data.num_clients, C.run_key(key))
+        return C.start_state(params, data.num_clients, C.run_key(key))
 
     def round_fn(state, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)

@@ -104,14 +104,7 @@ def pfedme(
         n = data.num_clients
         C.check_clients_per_round(s, n)
         w = jax.tree.map(jnp.asarray, params)
-        return FedState(
-            params=C.broadcast(w, n),
-            memory=(),
-            proj_state=(),
-            extra=w,
-            key=C.run_key(key),
-            round=jnp.zeros((), jnp.int32),
-        )
+        return C.start_state(w, n, C.run_key(key), extra=w)
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)

@@ -101,14 +101,7 @@ def scaffold(
         C.check_clients_per_round(s, n)
         x = jax.tree.map(jnp.asarray, params)
         zeros = jax.tree.map(jnp.zeros_like, x)
-        return FedState(
-            params=C.broadcast(x, n),
-            memory=C.broadcast(zeros, n),
-            proj_state=(),
-            extra=zeros,
-            key=C.run_key(key),
-            round=jnp.zeros((), jnp.int32),
-        )
+        return C.start_state(x, n, C.run_key(key), memory=C.broadcast(zeros, n), extra=zeros)
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)

@@ -115,22 +115,27 @@ def _feasible_as_is(x, radii_sq):
     return jnp.all(ok)
 
 
-def _project_core(x, radii_sq, state, tol, max_iter, *, method):
-    """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
-
-    ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
-    When ``x`` is feasible already (:func:`_feasible_as_is`) the solver is skipped.
-    """
-    zero = jnp.zeros((), x.dtype)
-    as_is = ProjectionInfo(
+def _exact_info(dtype, state) -> ProjectionInfo:
+    """The report of a projection that returned its input: exact, no iterations."""
+    zero = jnp.zeros((), dtype)
+    return ProjectionInfo(
         iterations=jnp.int32(0),
         max_violation=zero,
         rel_violation=zero,
         delta=zero,
         rel_delta=zero,
         converged=jnp.array(True),
-        state=jax.tree.map(lambda a: jnp.zeros(a.shape, x.dtype), state),
+        state=state,
     )
+
+
+def _project_core(x, radii_sq, state, tol, max_iter, *, method):
+    """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
+
+    ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
+    When ``x`` is feasible already (:func:`_feasible_as_is`) the solver is skipped.
+    """
+    as_is = _exact_info(x.dtype, jax.tree.map(lambda a: jnp.zeros(a.shape, x.dtype), state))
     return jax.lax.cond(
         _feasible_as_is(x, radii_sq),
         lambda: (x, as_is),
@@ -398,17 +403,7 @@ def project(
         for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
             if m:
                 out[idx] = jnp.asarray(x).astype(_out_dtype(x))
-        zero = jnp.zeros((), dtype)
-        info = ProjectionInfo(
-            iterations=jnp.int32(0),
-            max_violation=zero,
-            rel_violation=zero,
-            delta=zero,
-            rel_delta=zero,
-            converged=jnp.array(True),
-            state=state,
-        )
-        return jax.tree.unflatten(treedef, out), info
+        return jax.tree.unflatten(treedef, out), _exact_info(dtype, state)
     flat = jnp.concatenate([jnp.reshape(x, (n, -1)).astype(dtype) for x in pers], axis=1)
     theta, info = _project_flat(
         flat,
