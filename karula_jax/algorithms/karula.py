@@ -26,7 +26,7 @@ from karula_jax.algorithms.step_size import (
     client_smoothness,
     karula_learning_rate,
 )
-from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
+from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
 
 __all__ = ["KarulaExtra", "karula", "radii_squared"]
@@ -265,10 +265,10 @@ def karula(
     def round_fn(state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
         _check_data(data)
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
-        G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
-        nu, memory = variance_reduced_direction(state.memory, G, idx)
+        values, G, nu, memory = saga_round(
+            loss, state.params, state.memory, data, idx, key_batch, a_s, B
+        )
         eta = state.extra.learning_rate
         v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
         theta, pinfo = _project(v, state.proj_state)

@@ -29,7 +29,7 @@ import numpy as np
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.karula import _check_dissimilarity
-from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
+from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
 
 __all__ = ["graph_laplacian", "graph_weights", "laplacian_penalty"]
@@ -278,10 +278,10 @@ def laplacian_penalty(
     def round_fn(state: FedState, data: ClientData):
         _check_data(data)
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
-        G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
-        nu, memory = variance_reduced_direction(state.memory, G, idx)
+        values, G, nu, memory = saga_round(
+            loss, state.params, state.memory, data, idx, key_batch, a_s, B
+        )
         eta = learning_rate
         theta_half = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
         theta = _prox(theta_half, eta)

@@ -1,4 +1,4 @@
-"""SAGA gradient memory under client sampling, shared by Karula and FedSGD with memory.
+"""SAGA gradient memory under client sampling: Karula, its penalty ablation, FedSGD with memory.
 
 Client ``i`` keeps ``m_i``, its last reported weighted gradient ``alpha_i g_i``. With ``S``
 the ``s`` participants of a round (uniform, without replacement) and ``G_i`` their fresh
@@ -21,7 +21,7 @@ from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import LossFn
 from karula_jax.data.clients import ClientData
 
-__all__ = ["init_memory", "variance_reduced_direction"]
+__all__ = ["init_memory", "saga_round", "variance_reduced_direction"]
 
 
 def init_memory(loss: LossFn, theta: Any, data: ClientData, alpha, key, batch_size: int) -> Any:
@@ -65,3 +65,26 @@ def variance_reduced_direction(memory: Any, G: Any, idx: jnp.ndarray) -> tuple[A
         return (m / n).at[idx].add((g - m[idx]) / s)
 
     return jax.tree.map(leaf, memory, G), C.scatter(memory, idx, G)
+
+
+def saga_round(loss: LossFn, params: Any, memory: Any, data: ClientData, idx, key, a_s, B: int):
+    """The participants' fresh weighted gradients and the SAGA direction of one round.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      params: per-client models, leaves ``[n, ...]``.
+      memory: ``m``, leaves ``[n, ...]``.
+      data: the clients' data.
+      idx: participants ``[s]``; ``key``: PRNG key of their minibatches.
+      a_s: the participants' weights ``alpha[idx]``.
+      B: static minibatch size.
+
+    Returns:
+      ``(values, G, nu, memory)``: the participants' losses ``[s]``, their weighted
+      gradients ``G_i = alpha_i g_i`` (leaves ``[s, ...]``), the direction and the updated
+      memory of :func:`variance_reduced_direction`.
+    """
+    values, grads = C.participant_value_and_grads(loss, params, data, idx, key, B)
+    G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
+    nu, memory = variance_reduced_direction(memory, G, idx)
+    return values, G, nu, memory
