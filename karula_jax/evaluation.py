@@ -39,6 +39,7 @@ __all__ = [
     "mean_squared_error",
     "pairwise_sq_distances",
     "r2_score",
+    "ridge_solutions",
     "select_by_cv",
     "spearman_offdiag",
 ]
@@ -285,6 +286,28 @@ def log_loss(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.ndarray:
         return _masked_mean(nll, mask)
 
     return _per_client(one, apply_fn, params, data)
+
+
+def ridge_solutions(data: ClientData, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Closed-form ridge fits (host side, float64): each client's own and the pooled one.
+
+    With ``f_i(theta) = mean_i (x . theta - y)^2 / 2 + lam/2 ||theta||^2``
+    (:func:`karula_jax.models.ridge_loss`), client ``i``'s fit minimizes ``f_i`` and the
+    pooled fit minimizes ``sum_i alpha_i f_i`` with ``alpha_i = N_i / mean_j N_j``.
+
+    Args:
+      data: clients with ``x`` of shape ``[n, N_max, d]``, zero on padded rows.
+      lam: ridge penalty.
+
+    Returns:
+      ``(local [n, d], pooled [d])``.
+    """
+    x, y, c = (np.asarray(a, np.float64) for a in data)
+    H = np.einsum("nki,nkj->nij", x, x) / c[:, None, None] + lam * np.eye(x.shape[-1])
+    g = np.einsum("nki,nk->ni", x, y) / c[:, None]
+    alpha = c / c.mean()
+    local = np.linalg.solve(H, g[..., None])[..., 0]
+    return local, np.linalg.solve(np.tensordot(alpha, H, 1), alpha @ g)
 
 
 # --------------------------------------------------------------------------- dissimilarities

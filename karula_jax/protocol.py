@@ -15,6 +15,10 @@ result is the final fit at that point, scored on its test rows.
 * :func:`cross_validate` trains a method on every member and grid point with
   :func:`karula_jax.training.run_many` (members without a grid: final fits only) and
   returns the per-seed outcome.
+* :func:`method_suite` builds the :class:`Method` of every compared method (:data:`SUITE`)
+  from a loss, step-size rules and grids; :func:`member_dissimilarities` and
+  :func:`smoothness_constants` give every member its D and the constants behind its steps,
+  :func:`cluster_labels` its clients' groups.
 """
 
 from __future__ import annotations
@@ -30,18 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
-from karula_jax.algorithms.base import Algorithm
+from karula_jax.algorithms.base import Algorithm, LossFn
 from karula_jax.data.clients import ClientData
+from karula_jax.embedding import dissimilarities
 from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
 
 __all__ = [
     "CVData",
     "CVOutcome",
     "Method",
+    "SUITE",
     "choice_grid",
+    "cluster_labels",
     "cross_validate",
     "cv_datasets",
+    "member_dissimilarities",
+    "method_suite",
+    "smoothness_constants",
+    "smoothness_rates",
     "scalar_grid",
     "stack_datasets",
 ]
@@ -131,6 +143,89 @@ def cv_datasets(
     return CVData(jax.tree.map(join, fit, train), jax.tree.map(join, val, test), S, K)
 
 
+def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tuple[Any, Any]:
+    """Karula's D of every member of a stacked data set, as one compiled vmapped program.
+
+    Args:
+      train: members' data, leaves ``[B, n, N, ...]``.
+      key: one key for every member, or stacked keys ``[B]`` (one per member).
+      **options: keywords of :func:`karula_jax.embedding.dissimilarities`.
+
+    Returns:
+      ``(D [B, n, n], info)``, ``info`` with a leading member axis.
+    """
+    if jnp.ndim(key) == 0:
+        return jax.jit(jax.vmap(lambda d: dissimilarities(d, key=key, **options)))(train)
+    return jax.jit(jax.vmap(lambda d, k: dissimilarities(d, key=k, **options)))(train, key)
+
+
+def cluster_labels(D: Any, choices: Sequence[int]) -> np.ndarray:
+    """Spectral clusters of every member's D for each number of clusters in ``choices``.
+
+    Args:
+      D: dissimilarities ``[B, n, n]``.
+      choices: numbers of clusters (:func:`karula_jax.algorithms.cluster_clients`).
+
+    Returns:
+      Labels ``[B, len(choices), n]`` int32 (the clustered FedAvg's ``labels``).
+    """
+    return np.asarray([[A.cluster_clients(d, k) for k in choices] for d in np.asarray(D)], np.int32)
+
+
+def smoothness_rates(
+    *, karula: float, fedavg: float, ifca: float, personal: float, num_clients: int
+) -> dict[str, Callable[..., Any]]:
+    """:func:`method_suite` step sizes ``rate / L`` from the member arguments ``L_f`` and
+    ``L_max`` (:func:`smoothness_constants`).
+
+    Karula, Local and the penalty step ``karula / L_f``, FedSGD ``karula / (n L_f)``; the
+    FedAvg family ``fedavg / L_max``, IFCA ``ifca / L_max``; pFedMe ``personal / L_env``
+    with ``L_env = lam L_max / (lam + L_max)`` (its Moreau envelope's smoothness) and
+    personal step ``1 / (L_max + lam)``; Ditto's personal step ``personal / L_max``; the
+    penalty's ``mu`` is its grid value times ``L_f``.
+    """
+    return {
+        "local": lambda L_f, **_: karula / L_f,
+        "fedsgd": lambda L_f, **_: karula / (num_clients * L_f),
+        "fedavg": lambda L_max, **_: fedavg / L_max,
+        "ifca": lambda L_max, **_: ifca / L_max,
+        "pfedme": lambda L_max, lam, **_: personal / (lam * L_max / (lam + L_max)),
+        "pfedme_personal": lambda L_max, lam, **_: 1 / (L_max + lam),
+        "karula": lambda L_f, **_: karula / L_f,
+        "ditto_personal": lambda L_max, **_: personal / L_max,
+        "penalty_mu": lambda L_f, mu, **_: mu * L_f,
+    }
+
+
+def smoothness_constants(
+    train: ClientData, lam: float, *, logistic: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Smoothness of every member's losses: ``L_f = max_i alpha_i L_i / n`` and ``max_i L_i``.
+
+    Ridge (:func:`karula_jax.models.ridge_loss`): ``L_i = lambda_max(X_i^T X_i / N_i) + lam``
+    (:func:`karula_jax.algorithms.lipschitz_ridge`). Logistic with a bias
+    (:func:`karula_jax.models.logistic_loss`): ``sigma' <= 1/4`` bounds the Hessian by the
+    ridge constant of ``[X_i, 1] / 2`` (float64).
+
+    Args:
+      train: members' data, leaves ``[B, n, N, ...]`` with ``x`` of shape ``[B, n, N, d]``.
+      lam: the L2 penalty of the loss.
+      logistic: the logistic loss instead of ridge.
+
+    Returns:
+      ``(L_f, L_max)``, float64 arrays ``[B]``.
+    """
+    out = []
+    for b in range(train.counts.shape[0]):
+        d = ClientData(*(np.asarray(a[b]) for a in train))
+        if logistic:
+            x, ones = np.asarray(d.x, np.float64), np.asarray(d.mask, np.float64)[..., None]
+            d = ClientData(np.concatenate([x, ones], -1) / 2, d.y, d.counts)
+        n = d.num_clients  # weights n turn max_i alpha_i L_i / n into max_i L_i
+        out.append([A.lipschitz_ridge(d, lam), A.lipschitz_ridge(d, lam, np.full(n, float(n)))])
+    return tuple(np.asarray(out).T)
+
+
 class Method(NamedTuple):
     """A method to compare and the hyperparameters to choose from.
 
@@ -182,6 +277,126 @@ def choice_grid(name: str, choices) -> dict[str, Any]:
     return dict(
         grid={name: np.arange(len(choices))}, label=lambda p: f"{name}={choices[int(p[name])]}"
     )
+
+
+SUITE = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula", "FedProx", "SCAFFOLD")
+SUITE += ("Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
+
+
+def method_suite(
+    loss: LossFn,
+    rates: Mapping[str, Callable[..., Any]],
+    *,
+    names: Sequence[str] = SUITE,
+    grids: Mapping[str, Any],
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int,
+    pfedme_inner_steps: int = 5,
+    personalized: Any = None,
+    **karula_options,
+) -> dict[str, Method]:
+    """The :class:`Method` of every method in ``names`` (a subset of :data:`SUITE`).
+
+    A method's factory receives the member arguments (``D``; ``labels [choices, n]``, the
+    clients' groups for each choice of the clustered FedAvg; optional ``clusters``, IFCA's
+    initial cluster models) and its grid point, and takes its step sizes from ``rates``:
+    ``rates[name](**member_kwargs, **point)`` for the names ``local``, ``fedsgd``,
+    ``fedavg`` (also FedProx, SCAFFOLD, the clustered FedAvg and Ditto's global model),
+    ``ifca``, ``pfedme`` and ``pfedme_personal``, ``karula`` (also the Laplacian
+    penalty), ``ditto_personal`` and ``penalty_mu`` (the penalty's ``mu``). Only the rates
+    of the methods in ``names`` are needed.
+
+    Args:
+      loss: the loss of every method.
+      rates: the step-size rules above.
+      names: which methods to build, in this order.
+      grids: the hyperparameter of each method that has one, a tuple (a grid chosen by
+        CV) or a single value (fixed): ``IFCA`` clusters (static), ``pFedMe`` lambda,
+        ``Karula`` t, ``FedProx`` mu, ``Ditto`` lambda, ``Laplacian penalty on D`` mu
+        (passed to ``penalty_mu``, labelled ``mu/L_f``), ``Clustered FedAvg on D``
+        numbers of clusters (the index into ``labels`` is traced).
+      clients_per_round, batch_size: of every method.
+      local_steps: of the FedAvg family (FedAvg, IFCA, pFedMe, FedProx, SCAFFOLD, Ditto,
+        the clustered FedAvg).
+      pfedme_inner_steps: pFedMe's inner steps.
+      personalized: the personalized leaves of Karula and the penalty (None: all).
+      **karula_options: further keywords of :func:`karula_jax.algorithms.karula`.
+
+    Returns:
+      ``{name: Method}``.
+    """
+    common = dict(clients_per_round=clients_per_round, batch_size=batch_size)
+    local = dict(common, local_steps=local_steps)
+    r = lambda name, m: rates[name](**m)
+    build = {
+        "Local": lambda m: A.local(loss, learning_rate=r("local", m), **common),
+        "FedSGD": lambda m: A.fedsgd(loss, learning_rate=r("fedsgd", m), **common),
+        "FedAvg": lambda m: A.fedavg(loss, learning_rate=r("fedavg", m), **local),
+        "IFCA": lambda m: A.ifca(
+            loss,
+            num_clusters=m["k"],
+            learning_rate=r("ifca", m),
+            initial_clusters=m.get("clusters"),
+            **local,
+        ),
+        "pFedMe": lambda m: A.pfedme(
+            loss,
+            learning_rate=r("pfedme", m),
+            lam=m["lam"],
+            personal_learning_rate=r("pfedme_personal", m),
+            inner_steps=pfedme_inner_steps,
+            **local,
+        ),
+        "Karula": lambda m: A.karula(
+            loss,
+            m["D"],
+            t=m["t"],
+            learning_rate=r("karula", m),
+            personalized=personalized,
+            **karula_options,
+            **common,
+        ),
+        "FedProx": lambda m: A.fedprox(loss, mu=m["mu"], learning_rate=r("fedavg", m), **local),
+        "SCAFFOLD": lambda m: A.scaffold(loss, learning_rate=r("fedavg", m), **local),
+        "Ditto": lambda m: A.ditto(
+            loss,
+            lam=m["lam"],
+            learning_rate=r("fedavg", m),
+            personal_learning_rate=r("ditto_personal", m),
+            **local,
+        ),
+        "Laplacian penalty on D": lambda m: A.laplacian_penalty(
+            loss,
+            m["D"],
+            mu=r("penalty_mu", m),
+            learning_rate=r("karula", m),
+            personalized=personalized,
+            **common,
+        ),
+        "Clustered FedAvg on D": lambda m: A.clustered_fedavg(
+            loss, m["labels"][m["k"]], learning_rate=r("fedavg", m), **local
+        ),
+    }
+    keys = {"IFCA": "k", "pFedMe": "lam", "Karula": "t", "FedProx": "mu", "Ditto": "lam"}
+    keys |= {"Laplacian penalty on D": "mu", "Clustered FedAvg on D": "k"}
+    shown = {"pFedMe": "lambda", "Laplacian penalty on D": "mu/L_f"}
+    methods = {}
+    for name in names:
+        make = functools.partial(lambda name, **m: build[name](m), name)
+        key, values = keys.get(name), grids.get(name)
+        if key is not None and not isinstance(values, tuple | list):  # a fixed value
+            make = functools.partial(make, **{key: values})
+        if key is None or not isinstance(values, tuple | list):
+            methods[name] = Method(make)
+        elif name == "IFCA":  # the number of clusters fixes shapes: one compilation each
+            static = [{"k": int(k)} for k in values]
+            methods[name] = Method(make, static_grid=static, label=lambda p: f"k={p['k']}")
+        elif name == "Clustered FedAvg on D":
+            methods[name] = Method(make, **choice_grid(key, values))
+        else:
+            methods[name] = Method(make, **scalar_grid(key, values, shown=shown.get(name)))
+    return methods
 
 
 class CVOutcome(NamedTuple):

@@ -220,3 +220,21 @@ def test_exact_pairwise_w1_is_a_metric_on_samples():
     w = ev.exact_pairwise_w1(data)
     # point masses at 0, 1, 3 on the x axis (y = 0): W1 is the distance between them
     np.testing.assert_allclose(w, [[0, 1, 3], [1, 0, 2], [3, 2, 0]], atol=1e-12)
+
+
+def test_ridge_solutions_match_augmented_least_squares():
+    data, xs, ys = _toy(sizes=(7, 12, 5, 4), dim=3)
+    lam, n, d = 0.3, len(xs), 3
+    local, pooled = ev.ridge_solutions(data, lam)
+
+    def lstsq(x, y, scale, penalty):  # argmin ||x th - y||^2 / (2 scale) + penalty/2 ||th||^2
+        a = np.vstack([x / np.sqrt(scale), np.sqrt(penalty) * np.eye(d)])
+        return np.linalg.lstsq(a, np.concatenate([y / np.sqrt(scale), np.zeros(d)]), rcond=None)[0]
+
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        want = lstsq(x.astype(np.float64), y.astype(np.float64), len(x), lam)
+        np.testing.assert_allclose(local[i], want, rtol=1e-8, atol=1e-10)
+    # sum_i alpha_i f_i = ||X th - y||^2 / (2 mean N) + (n lam)/2 ||th||^2 (sum_i alpha_i = n)
+    x_all, y_all = (np.concatenate(v).astype(np.float64) for v in (xs, ys))
+    want = lstsq(x_all, y_all, np.mean([len(x) for x in xs]), n * lam)
+    np.testing.assert_allclose(pooled, want, rtol=1e-8, atol=1e-10)

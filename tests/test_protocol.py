@@ -8,13 +8,18 @@ import pytest
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.data import from_client_arrays
+from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
 from karula_jax.protocol import (
+    SUITE,
     Method,
     choice_grid,
     cross_validate,
     cv_datasets,
+    member_dissimilarities,
+    method_suite,
     scalar_grid,
+    smoothness_constants,
     stack_datasets,
 )
 from karula_jax.training import run_many
@@ -139,3 +144,103 @@ def test_cross_validate_matches_a_hand_made_selection():
         cross_validate(
             Method(make, {"lr": rates}), jnp.zeros(2), cv, keys=keys, num_rounds=1, eval_fn=metrics
         )
+
+
+def _two_rounds(algorithm, data, params):
+    state = algorithm.init(params, data, key=jax.random.key(3))
+    for _ in range(2):
+        state, _ = algorithm.round(state, data)
+    return np.asarray(algorithm.client_params(state, data))
+
+
+def test_method_suite_builds_each_algorithm_with_its_rates_and_grid():
+    data, loss = _data(0, (6, 9, 4, 7)), ridge_loss(0.1)
+    D = np.abs(np.subtract.outer(np.arange(4.0), np.arange(4.0)))
+    member = {"D": D, "labels": np.array([[0, 0, 1, 1], [0, 1, 2, 2]]), "L": 2.0}
+    names = ("local", "fedsgd", "fedavg", "ifca", "karula", "ditto_personal")
+    rates = {k: (lambda L, i=i, **_: 0.05 * (i + 1) / L) for i, k in enumerate(names)}
+    rates |= {"pfedme": lambda lam, **_: 0.1 / lam, "pfedme_personal": lambda L, **_: 0.2 / L}
+    rates["penalty_mu"] = lambda L, mu, **_: mu * L
+    grids = {"IFCA": (1, 2), "pFedMe": 15.0, "Karula": (0.5, 2.0), "FedProx": (0.1,)}
+    grids |= {"Ditto": (1.0,), "Laplacian penalty on D": (3.0,), "Clustered FedAvg on D": (2, 3)}
+    suite = method_suite(loss, rates, grids=grids, clients_per_round=3, batch_size=9, local_steps=2)
+    assert list(suite) == list(SUITE)
+    common = dict(clients_per_round=3, batch_size=9)
+    local = dict(common, local_steps=2)
+    r = {k: f(**member) for k, f in rates.items() if k not in ("pfedme", "penalty_mu")}
+    want = {
+        "Local": A.local(loss, learning_rate=r["local"], **common),
+        "FedSGD": A.fedsgd(loss, learning_rate=r["fedsgd"], **common),
+        "FedAvg": A.fedavg(loss, learning_rate=r["fedavg"], **local),
+        "IFCA": A.ifca(loss, num_clusters=2, learning_rate=r["ifca"], **local),
+        "pFedMe": A.pfedme(
+            loss,
+            learning_rate=0.1 / 15.0,
+            lam=15.0,
+            personal_learning_rate=r["pfedme_personal"],
+            inner_steps=5,
+            **local,
+        ),
+        "Karula": A.karula(loss, D, t=2.0, learning_rate=r["karula"], **common),
+        "FedProx": A.fedprox(loss, mu=0.1, learning_rate=r["fedavg"], **local),
+        "SCAFFOLD": A.scaffold(loss, learning_rate=r["fedavg"], **local),
+        "Ditto": A.ditto(
+            loss,
+            lam=1.0,
+            learning_rate=r["fedavg"],
+            personal_learning_rate=r["ditto_personal"],
+            **local,
+        ),
+        "Laplacian penalty on D": A.laplacian_penalty(
+            loss, D, mu=6.0, learning_rate=r["karula"], **common
+        ),
+        "Clustered FedAvg on D": A.clustered_fedavg(
+            loss, member["labels"][1], learning_rate=r["fedavg"], **local
+        ),
+    }
+    params = jnp.zeros(2)
+    for name, method in suite.items():
+        point = method.points()[-1]
+        got = _two_rounds(method.make(**member, **point), data, params)
+        np.testing.assert_allclose(got, _two_rounds(want[name], data, params), rtol=1e-6)
+    assert suite["IFCA"].static_grid == [{"k": 1}, {"k": 2}] and suite["IFCA"].grid is None
+    assert suite["pFedMe"].labels() == [""]  # a single value is fixed, not a grid
+    assert suite["Karula"].labels() == ["t=0.5", "t=2"]
+    assert suite["Laplacian penalty on D"].labels() == ["mu/L_f=3"]
+    assert suite["Clustered FedAvg on D"].labels() == ["k=2", "k=3"]
+    only = method_suite(loss, rates, names=("Karula",), grids={"Karula": 1.0}, **local)
+    assert list(only) == ["Karula"]
+
+
+def test_member_dissimilarities_match_one_call_per_member():
+    train = stack_datasets([_data(s, (6, 9, 4)) for s in range(2)])
+    keys = jax.random.split(jax.random.key(0), 2)
+    opts = dict(num_reference=8, epsilon=0.5)
+    D, info = member_dissimilarities(train, keys, **opts)
+    shared, _ = member_dissimilarities(train, keys[0], **opts)
+    assert D.shape == (2, 3, 3) and info.converged.shape == (2, 3)
+    for b in range(2):
+        member = jax.tree.map(lambda a, b=b: a[b], train)
+        want = dissimilarities(member, key=keys[b], **opts)[0]
+        np.testing.assert_allclose(np.asarray(D[b]), np.asarray(want), rtol=1e-5, atol=1e-6)
+        want = dissimilarities(member, key=keys[0], **opts)[0]
+        np.testing.assert_allclose(np.asarray(shared[b]), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("logistic", [False, True])
+def test_smoothness_constants_match_the_hessian_bound(logistic):
+    rng = np.random.default_rng(0)
+    sizes = [(10, 30, 1), (5, 7, 12)]
+    members, L_want = [], []
+    for seed_sizes in sizes:
+        xs = [rng.normal(size=(m, 3)) for m in seed_sizes]
+        ys = [rng.integers(0, 2, size=m) for m in seed_sizes]
+        members.append(from_client_arrays(xs, ys, num_classes=2))
+        # ridge: X^T X / N + lam; logistic with a bias: sigma' <= 1/4 on [X, 1]
+        feats = [np.concatenate([x, np.ones((len(x), 1))], 1) if logistic else x for x in xs]
+        L = [np.linalg.eigvalsh(f.T @ f / len(f)).max() * (0.25 if logistic else 1) for f in feats]
+        L = np.array(L) + 0.1
+        alpha = np.array(seed_sizes) * 3 / sum(seed_sizes)
+        L_want.append((np.max(alpha * L) / 3, L.max()))
+    L_f, L_max = smoothness_constants(stack_datasets(members), 0.1, logistic=logistic)
+    np.testing.assert_allclose(np.stack([L_f, L_max], 1), L_want, rtol=1e-5)

@@ -1,0 +1,99 @@
+"""A study's command line, tables and figures (karula_jax.reporting)."""
+
+import argparse
+import dataclasses
+
+import numpy as np
+import pytest
+
+from karula_jax import reporting
+from karula_jax.data import from_client_arrays
+from karula_jax.reporting import choice_counts, cli, comparison_rows, keyword_option, paired_columns
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    seeds: int = 5
+    rate: float = 0.1
+    name: str = "a"
+    grid: tuple[float, ...] = (1.0, 2.0)
+    ks: tuple[int, ...] = (1,)
+    flag: bool = False
+    noise: float | None = None
+    nested: tuple[tuple[str, float], ...] = (("x", 1.0),)
+
+
+def test_cli_reads_every_simple_field_and_the_quick_config(tmp_path):
+    quick = lambda c: dataclasses.replace(c, seeds=2, rate=9.0)
+    argv = ["--rate", "0.5", "--grid", "3,4.5", "--ks", "2,3", "--flag", "--noise", "0.2"]
+    cfg, args = cli(_Config, argv + ["--name", "b"], quick=quick, out=tmp_path)
+    assert cfg == _Config(5, 0.5, "b", (3.0, 4.5), (2, 3), True, 0.2)
+    assert args.out == tmp_path and not args.quick
+    cfg, _ = cli(_Config, ["--quick", "--seeds", "3"], quick=quick, out=tmp_path)
+    assert (cfg.seeds, cfg.rate) == (3, 9.0)  # flags apply on top of the quick config
+    cfg, args = cli(_Config, ["--tag", "z"], quick=quick, out=tmp_path, tag=dict(default=""))
+    assert args.tag == "z" and cfg == _Config()
+    with pytest.raises(SystemExit):  # standard errors need two seeds
+        cli(_Config, ["--seeds", "1"], quick=quick, out=tmp_path)
+    with pytest.raises(SystemExit):  # tuples of tuples are not offered
+        cli(_Config, ["--nested", "1"], quick=quick, out=tmp_path)
+
+
+def test_paired_columns_decide_only_beyond_two_standard_errors():
+    ref = np.array([1.0, 2.0, 3.0, 4.0])
+    row = paired_columns({}, "d", ref, ref - np.array([1.0, 1.1, 0.9, 1.0]))
+    assert row["d"] == pytest.approx(1.0) and row["d_decided"] == "yes"
+    assert row["d_2se"] == pytest.approx(2 * np.std([1.0, 1.1, 0.9, 1.0], ddof=1) / 2)
+    noisy = paired_columns({}, "d", ref, ref + np.array([1.0, -1.0, 1.0, -1.2]))
+    assert noisy["d_decided"] == "no"
+    assert paired_columns({}, "d", ref, ref)["d_decided"] == "-"
+
+
+def test_comparison_rows_match_numpy_means_and_paired_differences():
+    rng = np.random.default_rng(0)
+    values = {m: {"err": rng.normal(size=5), "r2": rng.normal(size=5)} for m in "ABC"}
+    rows = comparison_rows(values, reference="B", paired="err")
+    assert [r["method"] for r in rows] == ["A", "B", "C"]
+    for r in rows:
+        v = values[r["method"]]
+        for k in ("err", "r2"):
+            assert r[k] == pytest.approx(v[k].mean())
+            assert r[k + "_2se"] == pytest.approx(2 * v[k].std(ddof=1) / np.sqrt(5))
+        d = values["B"]["err"] - v["err"]
+        assert r["b_minus"] == pytest.approx(d.mean(), abs=1e-12)
+    assert rows[1]["b_minus_decided"] == "-"
+
+
+def test_choice_counts_sorts_and_skips_empty_labels():
+    assert choice_counts(["t=3", "t=1", "t=3"]) == "t=1 x1, t=3 x2"
+    assert choice_counts(["", ""]) == ""
+
+
+def test_keyword_option_reads_numbers_and_integers_by_default_type():
+    def f(seed=0, *, count: int = 3, scale: float = 1.0, pair=(0.5, 1.0)):
+        return seed, count, scale, pair
+
+    parse = keyword_option(f, exclude=("seed",))
+    assert parse("count=7") == ("count", 7) and isinstance(parse("count=7")[1], int)
+    assert parse("scale=2") == ("scale", 2.0) and isinstance(parse("scale=2")[1], float)
+    assert parse("pair=1,2.5") == ("pair", (1.0, 2.5))
+    for bad in ("seed=1", "scale", "nope=1", "scale=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_client_triplet_picks_nearest_and_farthest(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 5
+    xs = [rng.uniform(size=(12, 784)).astype(np.float32) for _ in range(n)]
+    ys = [np.arange(12) % 10 for _ in range(n)]
+    data = from_client_arrays(xs, ys, num_classes=10)
+    pts = rng.normal(size=(n, 2))
+    D = np.sqrt(((pts[:, None] - pts[None]) ** 2).sum(-1))
+    a, near, far = reporting.plot_client_triplet(
+        data, [f"w{i}" for i in range(n)], D, tmp_path / "c.png", seed=3
+    )
+    others = [i for i in range(n) if i != a]
+    assert near == min(others, key=lambda j: D[a, j])
+    assert far == max(others, key=lambda j: D[a, j])
+    assert (tmp_path / "c.png").stat().st_size > 0
