@@ -15,34 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import (
-    DATA_DIR,
-    RESULTS,
-    cli,
-    mean_se_columns,
-    paired_columns,
-    write_json,
-    write_table,
-)
-from karula_jax import algorithms as A
+from experiments.report import DATA_DIR, RESULTS
 from karula_jax import evaluation as ev
-from karula_jax import models
+from karula_jax import models, protocol, reporting
 from karula_jax.data import ClientData, load_heart_disease
-from karula_jax.embedding import dissimilarities
-from karula_jax.protocol import (
-    Method,
-    choice_grid,
-    cross_validate,
-    cv_datasets,
-    scalar_grid,
-    stack_datasets,
-)
+from karula_jax.stats import mean_and_se
 from karula_jax.training import progress_bar
 
-__all__ = ["METHODS", "Config", "main", "run_experiment", "smoothness"]
+__all__ = ["METHODS", "Config", "main", "run_experiment"]
 
-METHODS = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula")
-METHODS += ("FedProx", "SCAFFOLD", "Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
+METHODS = protocol.SUITE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +40,13 @@ class Config:
 
     Attributes:
       data_dir: folder with the four ``processed.*.data`` files.
-      seeds: number of seeds (= train/test splits).
-      rounds: communication rounds of every method.
-      clients_per_round: hospitals per round (of 4).
+      seeds, rounds, clients_per_round: splits, rounds, hospitals per round (of 4).
       test_fraction: held-out fraction of each hospital (per class).
-      lam: L2 penalty of the logistic loss.
-      local_steps: local steps of FedAvg, IFCA and pFedMe.
-      ifca_clusters: IFCA's number of clusters.
-      pfedme_lam, pfedme_inner: pFedMe's Moreau parameter and inner steps.
-      folds: cross-validation folds for Karula's t.
-      t_grid: candidate values of t.
-      ditto_grid, fedprox_grid: Ditto's lambda and FedProx's mu.
-      penalty_grid: mu / L_f of the Laplacian penalty on D (Karula's step size).
-      cluster_grid: k of the clustered FedAvg (spectral clustering of each data set's D).
+      lam, local_steps: the logistic loss's L2 penalty; local steps of the FedAvg family.
+      ifca_clusters, pfedme_lam, pfedme_inner: IFCA's clusters, pFedMe's lambda and steps.
+      folds: cross-validation folds.
+      *_grid: CV grids of Karula's t, Ditto's lambda, FedProx's mu, the penalty's mu / L_f
+        and the clustered FedAvg's k (spectral clusters of D).
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
     """
@@ -104,71 +80,24 @@ def quick_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, seeds=2, rounds=100, folds=2, num_reference=20, **grids)
 
 
-def smoothness(data: ClientData, lam: float) -> tuple[float, float]:
-    """Smoothness ``(L_f, L_max) = (max_i alpha_i L_i / n, max_i L_i)`` of the logistic losses.
-
-    ``L_i = lambda_max(X_i^T X_i) / (4 N_i) + lam`` with ``X_i`` the real rows plus a bias
-    column: the ridge constant (:func:`karula_jax.algorithms.lipschitz_ridge`) of ``X_i / 2``.
-    """
-    x = np.asarray(data.x, np.float64)
-    ones = np.asarray(data.mask, np.float64)[..., None]
-    half = ClientData(
-        np.concatenate([x, ones], -1) / 2, np.asarray(data.y), np.asarray(data.counts)
+def make_methods(cfg: Config, batch_size: int) -> dict[str, protocol.Method]:
+    """Every method; steps from the smoothness ``L_f``, ``L_max`` (README)."""
+    rates = protocol.smoothness_rates(
+        karula=0.375, fedavg=0.1, ifca=0.5, personal=0.5, num_clients=4
     )
-    n = data.num_clients
-    return A.lipschitz_ridge(half, lam), A.lipschitz_ridge(half, lam, weights=np.full(n, float(n)))
-
-
-def make_methods(cfg: Config, batch_size: int) -> dict[str, Method]:
-    """Every method: ``make(D, L_f, L_max[, t])`` and its grid (Karula: ``t_grid``)."""
-    loss = models.logistic_loss(cfg.lam)
-    common = dict(clients_per_round=cfg.clients_per_round, batch_size=batch_size)
-    local = dict(common, local_steps=cfg.local_steps)
-    lp, n = cfg.pfedme_lam, 4
-
-    def pfedme(L_max, **_):
-        inner = dict(personal_learning_rate=1.0 / (L_max + lp), inner_steps=cfg.pfedme_inner)
-        return A.pfedme(loss, learning_rate=0.5 / lp, lam=lp, **inner, **local)
-
-    def karula(D, L_f, t, **_):
-        return A.karula(loss, D, t=t, learning_rate=0.375 / L_f, **common)
-
-    def ditto(L_max, lam, **_):
-        personal = dict(personal_learning_rate=0.5 / L_max)
-        return A.ditto(loss, lam=lam, learning_rate=0.1 / L_max, **personal, **local)
-
-    def penalty(D, L_f, mu, **_):  # Karula's step
-        return A.laplacian_penalty(loss, D, mu=mu * L_f, learning_rate=0.375 / L_f, **common)
-
-    def clustered(labels, L_max, k, **_):
-        return A.clustered_fedavg(loss, labels[k], learning_rate=0.1 / L_max, **local)
-
-    return {
-        "Local": Method(lambda L_f, **_: A.local(loss, learning_rate=0.375 / L_f, **common)),
-        "FedSGD": Method(
-            lambda L_f, **_: A.fedsgd(loss, learning_rate=0.375 / (n * L_f), **common)
-        ),
-        "FedAvg": Method(lambda L_max, **_: A.fedavg(loss, learning_rate=0.1 / L_max, **local)),
-        "IFCA": Method(
-            lambda L_max, **_: A.ifca(
-                loss, num_clusters=cfg.ifca_clusters, learning_rate=0.5 / L_max, **local
-            )
-        ),
-        "pFedMe": Method(pfedme),
-        "Karula": Method(
-            karula, {"t": np.asarray(cfg.t_grid, np.float32)}, label=lambda h: f"t={h['t']:g}"
-        ),
-        "FedProx": Method(
-            lambda L_max, mu, **_: A.fedprox(loss, mu=mu, learning_rate=0.1 / L_max, **local),
-            **scalar_grid("mu", cfg.fedprox_grid),
-        ),
-        "SCAFFOLD": Method(lambda L_max, **_: A.scaffold(loss, learning_rate=0.1 / L_max, **local)),
-        "Ditto": Method(ditto, **scalar_grid("lam", cfg.ditto_grid)),
-        "Laplacian penalty on D": Method(
-            penalty, **scalar_grid("mu", cfg.penalty_grid, shown="mu/L_f")
-        ),
-        "Clustered FedAvg on D": Method(clustered, **choice_grid("k", cfg.cluster_grid)),
-    }
+    rates["pfedme"] = lambda lam, **_: 0.5 / lam
+    grids = {"IFCA": cfg.ifca_clusters, "pFedMe": cfg.pfedme_lam, "Karula": cfg.t_grid}
+    grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
+    grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
+    return protocol.method_suite(
+        models.logistic_loss(cfg.lam),
+        rates,
+        grids=grids,
+        clients_per_round=cfg.clients_per_round,
+        batch_size=batch_size,
+        local_steps=cfg.local_steps,
+        pfedme_inner_steps=cfg.pfedme_inner,
+    )
 
 
 def _logistic(params, x):
@@ -197,7 +126,7 @@ def _folds(train: ClientData, K: int) -> np.ndarray:
 
 def main(argv=None) -> dict:
     """Command-line entry point (see :class:`Config`); returns the summary."""
-    cfg, args = cli(
+    cfg, args = reporting.cli(
         Config, argv, quick=quick_config, description=__doc__, out=RESULTS / "heart_disease"
     )
     return run_experiment(cfg, args.out)
@@ -209,51 +138,43 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     t_start = time.perf_counter()
     S, K = cfg.seeds, cfg.folds
 
-    # ---- data: one split per seed; K folds of each split's training rows
+    # one train/test split per seed; K folds of each split's training rows
     splits = [
         load_heart_disease(cfg.data_dir, test_fraction=cfg.test_fraction, seed=s) for s in range(S)
     ]
     hosp = splits[0].hospitals
-    train = stack_datasets([h.train for h in splits])
-    cv = cv_datasets(train, stack_datasets([h.test for h in splits]), K, folds=_folds(train, K))
+    train, test = (
+        protocol.stack_datasets([getattr(h, k) for h in splits]) for k in ("train", "test")
+    )
+    cv = protocol.cv_datasets(train, test, K, folds=_folds(train, K))
 
-    # ---- D of every member (one vmapped program): fold f of seed s embeds with key
-    # fold_in(k_s, f + 1), the final fit with k_s; step sizes per member
+    # D: fold f of seed s embeds with key fold_in(k_s, f + 1), the final fit with k_s
     emb_keys = jax.random.split(jax.random.key(123), S)
     member_keys = jax.vmap(
         lambda k: jax.vmap(lambda f: jnp.where(f < K, jax.random.fold_in(k, f + 1), k))(
             jnp.arange(K + 1)
         )
     )
-    embed = jax.jit(
-        jax.vmap(
-            lambda d, k: dissimilarities(
-                d, key=k, num_reference=cfg.num_reference, epsilon=cfg.epsilon, num_classes=2
-            )
-        )
-    )
-    D, info = embed(cv.train, member_keys(emb_keys).reshape(-1))
+    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, num_classes=2)
+    D, info = protocol.member_dissimilarities(cv.train, member_keys(emb_keys).reshape(-1), **embed)
     converged = bool(np.all(info.converged))
-    host = [ClientData(*(np.asarray(a[b]) for a in cv.train)) for b in range(S * (K + 1))]
-    consts = np.asarray([smoothness(h, cfg.lam) for h in host], np.float32)
-    labels = [[A.cluster_clients(d, k) for k in cfg.cluster_grid] for d in np.asarray(D)]
-    member_kwargs = {"D": D, "labels": np.asarray(labels, np.int32)}
-    member_kwargs |= {"L_f": consts[:, 0], "L_max": consts[:, 1]}
+    L_f, L_max = protocol.smoothness_constants(cv.train, cfg.lam, logistic=True)
+    labels = protocol.cluster_labels(D, cfg.cluster_grid)
+    member_kwargs = {"D": D, "labels": labels, "L_f": L_f, "L_max": L_max}
     print(
         f"{S} splits; train rows {np.asarray(splits[0].train.counts).tolist()}, "
         f"test rows {np.asarray(splits[0].test.counts).tolist()}; D converged: {converged}"
     )
     methods = make_methods(cfg, int(train.x.shape[2]))  # full gradients
 
-    # ---- every method: grid points by K-fold CV (mean validation log-loss over the
-    # hospitals), final fits on each seed's full training rows
-    rows, outcomes = [], {}
+    # every method: grid points by K-fold CV (mean validation log-loss over the hospitals)
+    values, outcomes = {}, {}
     test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
     names = [m for m in METHODS if m in cfg.methods or m == "Karula"]
     grids = [f"{m}: {', '.join(methods[m].labels())}" for m in names if methods[m].tuned]
     print("CV grids: " + "; ".join(grids))
     for name in progress_bar(names, desc="methods", unit="method"):
-        res = outcomes[name] = cross_validate(
+        res = outcomes[name] = protocol.cross_validate(
             methods[name],
             models.linear_params(train.x.shape[-1]),
             cv,
@@ -266,34 +187,28 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         if res.diagnostics:
             print(f"    {res.diagnostics}")
         acc = res.metrics["acc"]  # [S, n]
-        pooled = (acc * test_counts).sum(axis=1) / test_counts.sum(axis=1)
-        row = mean_se_columns(
-            {"method": name},
-            test_acc=acc.mean(axis=1),
-            pooled_acc=pooled,
-            test_logloss=res.metrics["nll"].mean(axis=1),
-            **{f"acc_{hn}": acc[:, j] for j, hn in enumerate(hosp)},
-        )
-        choice = res.chosen_labels
-        row["cv_choice"] = ", ".join(f"{v} x{choice.count(v)}" for v in sorted(set(choice) - {""}))
-        rows.append(row | {"runtime_s": res.seconds})
+        values[name] = {
+            "test_acc": acc.mean(axis=1),
+            "pooled_acc": (acc * test_counts).sum(axis=1) / test_counts.sum(axis=1),
+            "test_logloss": res.metrics["nll"].mean(axis=1),
+        } | {f"acc_{hn}": acc[:, j] for j, hn in enumerate(hosp)}
+        mean, band = mean_and_se(values[name]["test_acc"])
+        chosen = reporting.choice_counts(res.chosen_labels)
         print(
-            f"{name:>7}: mean per-hospital test accuracy {row['test_acc']:.3f} ± "
-            f"{row['test_acc_2se']:.3f}, pooled {row['pooled_acc']:.3f} ({res.seconds:.1f}s)"
-            + (f", CV chose {row['cv_choice']}" if row["cv_choice"] else "")
+            f"{name:>7}: mean per-hospital test accuracy {mean:.3f} ± {band:.3f}, pooled "
+            f"{values[name]['pooled_acc'].mean():.3f} ({res.seconds:.1f}s)"
+            + (f", CV chose {chosen}" if chosen else "")
         )
-
-    karula = outcomes["Karula"].metrics["acc"].mean(1)
+    rows = reporting.comparison_rows(values, reference="Karula", paired="test_acc")
     for row, res in zip(rows, outcomes.values(), strict=True):
-        paired_columns(row, "karula_minus", karula, res.metrics["acc"].mean(1))
-    columns = [
-        ("method", "method"),
-        ("test_acc", "mean per-hospital test acc."),
+        row |= {"cv_choice": reporting.choice_counts(res.chosen_labels), "runtime_s": res.seconds}
+    columns = [("method", "method"), ("test_acc", "mean per-hospital test acc.")]
+    columns += [
         ("pooled_acc", "pooled test acc."),
         ("karula_minus", "Karula minus method (paired)"),
-        ("karula_minus_decided", "decided (> 2 SE)"),
-        ("test_logloss", "mean per-hospital test log-loss"),
     ]
+    columns += [("karula_minus_decided", "decided (> 2 SE)")]
+    columns += [("test_logloss", "mean per-hospital test log-loss")]
     columns += [(f"acc_{hn}", hn) for hn in hosp]
     columns += [("cv_choice", "CV choice"), ("runtime_s", "runtime (s)")]
     notes = [
@@ -310,15 +225,8 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         "Paper (commented-out table, test accuracy): Local 0.658, FedSGD 0.685, FedAvg 0.669, "
         "pFedMe 0.658, Karula 0.705.",
     ]
-    write_table(
-        rows,
-        columns,
-        csv_path=out / "table.csv",
-        md_path=out / "table.md",
-        title="Heart disease (UCI, 4 hospitals)",
-        notes=notes,
-        digits={"runtime_s": 1},
-    )
+    title, digits = "Heart disease (UCI, 4 hospitals)", {"runtime_s": 1}
+    reporting.write_table(rows, columns, out / "table", title=title, notes=notes, digits=digits)
     summary = {
         "config": dataclasses.asdict(cfg),
         "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
@@ -328,7 +236,7 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }
-    write_json(summary, out / "summary.json")
+    reporting.write_json(summary, out / "summary.json")
     print(f"wrote {out} in {summary['total_seconds']:.0f}s")
     return summary
 

@@ -1,18 +1,13 @@
 """Synthetic ridge regression: the paper's Table 1 and Figure 1 (section 5.1).
 
-Each seed's data set is split into CV folds (:func:`karula_jax.evaluation.kfold_split`);
-every fold and the final fit get their own D and step sizes; each method is one
-:func:`karula_jax.training.run_many` call over (folds + final fit) x seeds x its grid, and
-:func:`karula_jax.evaluation.select_by_cv` picks its hyperparameter per seed. The protocol
-(step sizes, grids, every choice the paper leaves open) and the findings are in
-``results/synthetic/README.md``.
+Every CV fold and final fit of every seed gets its own D and step sizes; each method is
+cross-validated per seed (:func:`karula_jax.protocol.cross_validate`). Protocol and
+findings: ``results/synthetic/README.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,46 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import (
-    RESULTS,
-    cli,
-    mean_se_columns,
-    paired_columns,
-    plot_heatmaps,
-    write_json,
-    write_table,
-)
+from experiments.report import RESULTS
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
+from karula_jax import protocol, reporting
 from karula_jax.data import ClientData, synthetic_ridge
-from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
-from karula_jax.protocol import (
-    CVData,
-    Method,
-    choice_grid,
-    cross_validate,
-    cv_datasets,
-    scalar_grid,
-    stack_datasets,
-)
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
 from karula_jax.training import progress_bar
 
-__all__ = [
-    "DIAGNOSTICS",
-    "METHODS",
-    "SETTINGS",
-    "SyntheticConfig",
-    "build_batch",
-    "main",
-    "run_experiment",
-    "run_sensitivity",
-]
+__all__ = ["SyntheticConfig", "build_batch", "main", "run_experiment", "run_sensitivity"]
 
-METHODS = ("Local", "FedSGD", "FedAvg", "IFCA", "pFedMe", "Karula")
-# Baselines beyond the paper, and the two other uses of Karula's D (penalty, clustering).
-EXTRA = ("FedProx", "SCAFFOLD", "Ditto", "Laplacian penalty on D", "Clustered FedAvg on D")
+# The paper's methods; baselines beyond it and the two other uses of Karula's D.
+METHODS, EXTRA = protocol.SUITE[:6], protocol.SUITE[6:]
 # Karula with dissimilarities no federated method has (results/synthetic/README.md).
 DIAGNOSTICS = ("Karula, true D (diagnostic)", "Karula, population D (diagnostic)")
 
@@ -84,20 +52,16 @@ class SyntheticConfig:
     Attributes:
       seeds: seeds 0..seeds-1 (data draw and training randomness).
       num_clients, dim, lam: n, d and the ridge penalty.
-      clients_per_round: participants per round (every method but Local).
-      num_folds: folds of the cross-validation.
-      rounds: communication rounds of every method.
-      local_steps: local steps of FedAvg, IFCA and pFedMe.
-      pfedme_inner_steps: pFedMe's inner steps approximating the proximal point.
-      rate_karula, rate_fedavg, rate_ifca, rate_pfedme: step = rate / L (which L: README).
+      clients_per_round, num_folds, rounds: of every method but Local (all clients).
+      local_steps, pfedme_inner_steps: of the FedAvg family; pFedMe's proximal steps.
+      rate_karula, rate_fedavg, rate_ifca, rate_pfedme: step = rate / L
+        (:func:`karula_jax.protocol.smoothness_rates`).
       projection_tol, projection_max_iter: stopping rule of Karula's projection per round.
-      t_grid, k_grid, pfedme_grid: grids of Karula's t, IFCA's k, pFedMe's lambda.
-      ditto_grid, fedprox_grid: Ditto's lambda and FedProx's mu.
-      penalty_grid: mu / L_f of the Laplacian penalty (its step is Karula's).
-      cluster_grid: k of the clustered FedAvg (spectral clustering of each data set's D).
+      *_grid: CV grids of Karula's t, IFCA's k, pFedMe's and Ditto's lambda, FedProx's mu,
+        the penalty's mu / L_f and the clustered FedAvg's k (spectral clusters of D).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
-      noise_std: response noise of the generator (None: its default).
-      generator: further keywords of :func:`karula_jax.data.synthetic_ridge`.
+      noise_std, generator: the generator's response noise (None: its default) and further
+        keywords (:func:`karula_jax.data.synthetic_ridge`).
       normalize_D: divide every data set's D by its mean off-diagonal entry.
       diagnostics: also train Karula on the true and on a population D.
       methods: which of ``METHODS + EXTRA`` to run (Karula always runs: the paired reference).
@@ -160,7 +124,7 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
 class Batch(NamedTuple):
     """Every data set of the study (:class:`karula_jax.protocol.CVData`) and what goes with it."""
 
-    cv: CVData  # S (K + 1) members, seed-major
+    cv: protocol.CVData  # S (K + 1) members, seed-major
     D: jnp.ndarray  # [B, n, n] Karula's dissimilarities
     D_true: jnp.ndarray | None  # [B, n, n] true ||theta_i* - theta_j*||^2 (diagnostic)
     D_population: jnp.ndarray | None  # [B, n, n] D from many fresh rows (diagnostic)
@@ -185,23 +149,17 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
         gen["noise_std"] = cfg.noise_std
     sets = [synthetic_ridge(seed, **gen) for seed in range(cfg.seeds)]
     fold_key = lambda s: jax.random.fold_in(jax.random.key(1_000_003), s)
-    cv = cv_datasets(
-        stack_datasets([s.train for s in sets]),
-        stack_datasets([s.test for s in sets]),
+    cv = protocol.cv_datasets(
+        protocol.stack_datasets([s.train for s in sets]),
+        protocol.stack_datasets([s.test for s in sets]),
         cfg.num_folds,
         key=jax.vmap(fold_key)(jnp.arange(cfg.seeds)),
     )
     B = cv.train.x.shape[0]
     t0 = time.perf_counter()
     emb_keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(2_000_003), b))(jnp.arange(B))
-    embed = jax.jit(
-        jax.vmap(
-            lambda d, k: dissimilarities(
-                d, key=k, num_reference=cfg.num_reference, epsilon=cfg.epsilon
-            )
-        )
-    )
-    D, info = jax.block_until_ready(embed(cv.train, emb_keys))
+    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon)
+    D, info = jax.block_until_ready(protocol.member_dissimilarities(cv.train, emb_keys, **embed))
     log(f"dissimilarities of {B} data sets: {time.perf_counter() - t0:.1f} s")
     converged = np.asarray(info.converged)
     theta_true = np.stack([np.asarray(s.theta_true) for s in sets])
@@ -216,90 +174,42 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
             synthetic_ridge(seed, **{**gen, "num_test": cfg.population_rows}).test
             for seed in range(cfg.seeds)
         ]
-        D_pop, pop_info = embed(stack_datasets(pops), cv.final(emb_keys))
+        pops = protocol.stack_datasets(pops)
+        D_pop, pop_info = protocol.member_dissimilarities(pops, cv.final(emb_keys), **embed)
         converged = converged & np.asarray(cv.per_member(pop_info.converged))
         rho_pop = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_pop, strict=True)])
         D_pop = cv.per_member(D_pop)
     if cfg.normalize_D:
         D, D_true, D_pop = (None if a is None else _normalize(a) for a in (D, D_true, D_pop))
 
-    n = cfg.num_clients
-    host = [ClientData(*(np.asarray(a[b]) for a in cv.train)) for b in range(B)]
-    L_f = np.asarray([A.lipschitz_ridge(d, cfg.lam) for d in host])
-    # weights n turn max_i alpha_i L_i / n into max_i L_i
-    L_max = np.asarray([A.lipschitz_ridge(d, cfg.lam, weights=np.full(n, float(n))) for d in host])
-    labels = np.asarray(
-        [[A.cluster_clients(d, k) for k in cfg.cluster_grid] for d in np.asarray(D)], np.int32
-    )
+    L_f, L_max = protocol.smoothness_constants(cv.train, cfg.lam)
+    labels = protocol.cluster_labels(D, cfg.cluster_grid)
     return Batch(cv, D, D_true, D_pop, labels, L_f, L_max, theta_true, converged, rho_pop)
 
 
-def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, Method]:
-    """The six methods with the step sizes of ``results/synthetic/README.md``."""
-    loss, n = ridge_loss(cfg.lam), cfg.num_clients
-    common = dict(clients_per_round=cfg.clients_per_round, batch_size=n_max)
-    local_steps = dict(common, local_steps=cfg.local_steps)
-
-    def local(L_f, **_):
-        return A.local(loss, learning_rate=cfg.rate_karula / L_f, batch_size=n_max)
-
-    def fedsgd(L_f, **_):
-        return A.fedsgd(loss, learning_rate=cfg.rate_karula / (n * L_f), **common)
-
-    def fedavg(L_max, **_):
-        return A.fedavg(loss, learning_rate=cfg.rate_fedavg / L_max, **local_steps)
-
-    def ifca(L_max, k, **_):
-        return A.ifca(loss, num_clusters=k, learning_rate=cfg.rate_ifca / L_max, **local_steps)
-
-    def pfedme(L_max, lam, **_):
-        L_env = lam * L_max / (lam + L_max)  # the Moreau envelope's smoothness
-        inner = dict(personal_learning_rate=1 / (L_max + lam), inner_steps=cfg.pfedme_inner_steps)
-        return A.pfedme(
-            loss, learning_rate=cfg.rate_pfedme / L_env, lam=lam, **inner, **local_steps
-        )
-
-    def karula(D, L_f, t, **_):
-        tol = dict(projection_tol=cfg.projection_tol, projection_max_iter=cfg.projection_max_iter)
-        return A.karula(loss, D, t=t, learning_rate=cfg.rate_karula / L_f, **tol, **common)
-
-    def fedprox(L_max, mu, **_):
-        return A.fedprox(loss, mu=mu, learning_rate=cfg.rate_fedavg / L_max, **local_steps)
-
-    def scaffold(L_max, **_):
-        return A.scaffold(loss, learning_rate=cfg.rate_fedavg / L_max, **local_steps)
-
-    def ditto(L_max, lam, **_):
-        personal = dict(personal_learning_rate=cfg.rate_pfedme / L_max)
-        return A.ditto(
-            loss, lam=lam, learning_rate=cfg.rate_fedavg / L_max, **personal, **local_steps
-        )
-
-    def penalty(D, L_f, mu, **_):  # Karula's step: the penalty and the constraint differ only
-        lr = cfg.rate_karula / L_f
-        return A.laplacian_penalty(loss, D, mu=mu * L_f, learning_rate=lr, **common)
-
-    def clustered(labels, L_max, k, **_):
-        lr = cfg.rate_fedavg / L_max
-        return A.clustered_fedavg(loss, labels[k], learning_rate=lr, **local_steps)
-
-    ks = [{"k": int(k)} for k in cfg.k_grid]
-    lams, ts = {"lam": np.asarray(cfg.pfedme_grid)}, {"t": np.asarray(cfg.t_grid)}
-    return {
-        "Local": Method(local),
-        "FedSGD": Method(fedsgd),
-        "FedAvg": Method(fedavg),
-        "IFCA": Method(ifca, static_grid=ks, label=lambda h: f"k={h['k']}"),
-        "pFedMe": Method(pfedme, lams, label=lambda h: f"lambda={h['lam']:.3g}"),
-        "Karula": Method(karula, ts, label=lambda h: f"t={h['t']:.3g}"),
-        "FedProx": Method(fedprox, **scalar_grid("mu", cfg.fedprox_grid)),
-        "SCAFFOLD": Method(scaffold),
-        "Ditto": Method(ditto, **scalar_grid("lam", cfg.ditto_grid)),
-        "Laplacian penalty on D": Method(
-            penalty, **scalar_grid("mu", cfg.penalty_grid, shown="mu/L_f")
-        ),
-        "Clustered FedAvg on D": Method(clustered, **choice_grid("k", cfg.cluster_grid)),
-    }
+def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
+    """Every method with the step sizes of ``results/synthetic/README.md``."""
+    loss, k = ridge_loss(cfg.lam), cfg.rate_karula
+    rates = dict(karula=k, fedavg=cfg.rate_fedavg, ifca=cfg.rate_ifca, personal=cfg.rate_pfedme)
+    rates = protocol.smoothness_rates(**rates, num_clients=cfg.num_clients)
+    grids = {"IFCA": cfg.k_grid, "pFedMe": cfg.pfedme_grid, "Karula": cfg.t_grid}
+    grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
+    grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
+    suite = protocol.method_suite(
+        loss,
+        rates,
+        names=protocol.SUITE[1:],
+        grids=grids,
+        clients_per_round=cfg.clients_per_round,
+        batch_size=n_max,
+        local_steps=cfg.local_steps,
+        pfedme_inner_steps=cfg.pfedme_inner_steps,
+        projection_tol=cfg.projection_tol,
+        projection_max_iter=cfg.projection_max_iter,
+    )
+    # Local: every client every round
+    local = lambda L_f, **_: A.local(loss, learning_rate=k / L_f, batch_size=n_max)
+    return {"Local": protocol.Method(local)} | suite
 
 
 def _metrics(theta, evals):
@@ -314,11 +224,11 @@ def _metrics(theta, evals):
     }
 
 
-def run_method(name: str, method: Method, batch: Batch, cfg: SyntheticConfig, log=print):
+def run_method(name: str, method: protocol.Method, batch: Batch, cfg: SyntheticConfig, log=print):
     """Cross-validates ``method`` (pooled validation MSE) and scores its final fits."""
     cv, K = batch.cv, cfg.num_folds
     rows = np.asarray(cv.evals.counts, np.float64).reshape(cfg.seeds, K + 1, 1, -1)[:, :K]
-    out = cross_validate(
+    out = protocol.cross_validate(
         method,
         jnp.zeros((cfg.dim,), jnp.float32),
         cv,
@@ -326,12 +236,7 @@ def run_method(name: str, method: Method, batch: Batch, cfg: SyntheticConfig, lo
         num_rounds=cfg.rounds,
         eval_fn=_metrics,
         eval_data=(cv.evals, cv.per_member(batch.theta_true)),
-        member_kwargs={
-            "D": batch.D,
-            "labels": batch.labels,
-            "L_f": batch.L_f,
-            "L_max": batch.L_max,
-        },
+        member_kwargs=dict(D=batch.D, labels=batch.labels, L_f=batch.L_f, L_max=batch.L_max),
         # pooled validation MSE: squared errors of all clients / their rows
         score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
         fold_weights=rows.sum(-1)[..., 0],
@@ -348,19 +253,12 @@ def run_method(name: str, method: Method, batch: Batch, cfg: SyntheticConfig, lo
 
 
 def _exact_references(batch: Batch, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
-    """Closed-form ridge fits (float64) per seed: per-client local and pooled global."""
-    out = {"local_error": [], "global_error": []}
-    final = batch.cv.final(batch.cv.train)
-    for s in range(cfg.seeds):
-        x, y, c = (np.asarray(a[s], np.float64) for a in final)
-        H = np.einsum("nki,nkj->nij", x, x) / c[:, None, None] + cfg.lam * np.eye(cfg.dim)
-        g = np.einsum("nki,nk->ni", x, y) / c[:, None]
-        loc = np.linalg.solve(H, g[..., None])[..., 0]
-        alpha = c / c.mean()
-        glob = np.linalg.solve(np.tensordot(alpha, H, 1), alpha @ g)
-        truth = batch.theta_true[s]
-        out["local_error"].append(np.mean(np.sum((loc - truth) ** 2, -1)))
-        out["global_error"].append(np.mean(np.sum((glob - truth) ** 2, -1)))
+    """Estimation errors of the closed-form local and pooled ridge fits, per seed."""
+    out, final = {"local_error": [], "global_error": []}, batch.cv.final(batch.cv.train)
+    for s, truth in enumerate(batch.theta_true):
+        fits = ev.ridge_solutions(ClientData(*(a[s] for a in final)), cfg.lam)
+        for key, theta in zip(out, fits, strict=True):
+            out[key].append(np.mean(np.sum((theta - truth) ** 2, -1)))
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -398,7 +296,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     local = [ev.pairwise_sq_distances(p) for p in results["Local"].metrics["theta"]]
     rho_D = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_full, strict=True)])
     rho_loc = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, local, strict=True)])
-    plot_heatmaps(
+    reporting.plot_heatmaps(
         [truth[0], D_full[0], local[0]],
         [
             "true $\\|\\theta_i^* - \\theta_j^*\\|^2$",
@@ -409,15 +307,13 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         suptitle="Synthetic ridge, seed 0 (clients ordered by group)",
     )
 
-    rows = []
-    for name, r in results.items():
-        c = r.chosen_labels
-        chosen = ", ".join(f"{v} x{c.count(v)}" for v in sorted(set(c) - {""}))
-        row = {"method": name, "cv_choice": chosen or "-"}
-        error, r2 = r.metrics["error"].mean(-1), r.metrics["r2"].mean(-1)
-        karula = results["Karula"].metrics["error"].mean(-1)
-        paired_columns(row, "karula_minus", karula, error)
-        rows.append(mean_se_columns(row, estimation_error=error, test_r2=r2))
+    values = {
+        name: {"estimation_error": r.metrics["error"].mean(-1), "test_r2": r.metrics["r2"].mean(-1)}
+        for name, r in results.items()
+    }
+    rows = reporting.comparison_rows(values, reference="Karula", paired="estimation_error")
+    for row, r in zip(rows, results.values(), strict=True):
+        row["cv_choice"] = reporting.choice_counts(r.chosen_labels) or "-"
     runtime, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     diagnostics = cfg.diagnostics and (
         f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
@@ -441,14 +337,10 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     columns = [("method", "Method"), ("estimation_error", "Estimation error")]
     columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
     columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
-    table = write_table(
-        rows,
-        columns,
-        csv_path=out / "table.csv",
-        md_path=out / "table.md",
-        title="Synthetic ridge regression (paper Table 1)",
-        notes=notes,
-        digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
+    digits = {"estimation_error": 2, "test_r2": 3, "karula_minus": 2}
+    title = "Synthetic ridge regression (paper Table 1)"
+    table = reporting.write_table(
+        rows, columns, out / "table", title=title, notes=notes, digits=digits
     )
     summary = {
         "config": dataclasses.asdict(cfg),
@@ -463,9 +355,8 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         "embedding_converged": bool(batch.embedding_converged.all()),
         "spearman_population_D": batch.spearman_population,
         "methods": {
-            name: {
-                "estimation_error": r.metrics["error"].mean(-1),
-                "test_r2": r.metrics["r2"].mean(-1),
+            name: values[name]
+            | {
                 "chosen": r.chosen_labels,
                 "cv_validation_mse": r.cv_score,
                 "grid": r.labels,
@@ -475,7 +366,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
             for name, r in results.items()
         },
     }
-    write_json(summary, out / "config.json")
+    reporting.write_json(summary, out / "config.json")
     log("\n" + table + "\n" + "\n".join(notes))
     return summary
 
@@ -495,16 +386,12 @@ def run_sensitivity(base: SyntheticConfig, out, settings=SETTINGS) -> list[dict[
     for name, generator in settings.items():
         print(f"=== {name}: {generator}", flush=True)
         command = f"python -m experiments.synthetic_ridge --sensitivity ({name})"
-        summary = run_experiment(
-            dataclasses.replace(base, generator=dict(generator), methods=METHODS),
-            out / name,
-            command=command,
-        )
+        cfg = dataclasses.replace(base, generator=dict(generator), methods=METHODS)
+        summary = run_experiment(cfg, out / name, command=command)
         described = ", ".join(f"{k}={v}" for k, v in generator.items()) or "(defaults)"
-        errors = {m: summary["methods"][m]["estimation_error"] for m in METHODS}
-        row = {"setting": name, "generator": described}
-        mean_se_columns(row, **errors, spearman_D=summary["spearman_D"])
-        mean_se_columns(row, spearman_local=summary["spearman_local"])
+        row = {m: summary["methods"][m]["estimation_error"] for m in METHODS}
+        row |= {k: summary[k] for k in ("spearman_D", "spearman_local")}
+        row = reporting.mean_se_columns({"setting": name, "generator": described}, **row)
         row["karula_t"] = ", ".join(sorted(set(summary["methods"]["Karula"]["chosen"])))
         rows.append(row)
     columns = [("setting", "Setting"), ("generator", "Generator keywords")]
@@ -516,37 +403,17 @@ def run_sensitivity(base: SyntheticConfig, out, settings=SETTINGS) -> list[dict[
         "the true ||theta_i* - theta_j*||^2 of Karula's D and of the distances between Local "
         "models. Command: `python -m experiments.synthetic_ridge --sensitivity`."
     )
-    write_table(
-        rows,
-        columns,
-        csv_path=out / "summary.csv",
-        md_path=out / "summary.md",
-        title="Synthetic ridge: estimation error per generator setting",
-        digits={m: 2 for m in METHODS},
-        notes=[note],
+    title = "Synthetic ridge: estimation error per generator setting"
+    reporting.write_table(
+        rows, columns, out / "summary", title=title, notes=[note], digits=dict.fromkeys(METHODS, 2)
     )
     return rows
-
-
-def _generator_option(text: str) -> tuple[str, Any]:
-    """Parses ``NAME=VALUE`` (``VALUE`` a number or comma-separated numbers)."""
-    name, sep, value = text.partition("=")
-    allowed = set(inspect.signature(synthetic_ridge).parameters) - {"seed", "num_clients", "dim"}
-    if not sep or name not in allowed:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME in {sorted(allowed)}")
-    try:
-        numbers = tuple(float(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name}: expected numbers, got {value!r}") from None
-    if name in ("min_samples", "max_samples", "num_test"):
-        numbers = tuple(int(v) for v in numbers)
-    return name, numbers if len(numbers) > 1 else numbers[0]
 
 
 def main(argv: Sequence[str] | None = None):
     """Command-line entry point (see :class:`SyntheticConfig`)."""
     flags = list(sys.argv[1:] if argv is None else argv)
-    cfg, args = cli(
+    cfg, args = reporting.cli(
         SyntheticConfig,
         flags,
         quick=quick_config,
@@ -556,7 +423,7 @@ def main(argv: Sequence[str] | None = None):
             action="append",
             default=[],
             metavar="NAME=VALUE",
-            type=_generator_option,
+            type=reporting.keyword_option(synthetic_ridge, exclude=("seed", "num_clients", "dim")),
             help="a keyword of karula_jax.data.synthetic_ridge (repeatable)",
         ),
         sensitivity=dict(action="store_true", help="the five generator settings (5 seeds)"),

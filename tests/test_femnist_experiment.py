@@ -50,22 +50,3 @@ def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     assert len(summary["ifca_clusters_in_use"]) == 2
     a, near, far = summary["three_clients"]["indices"]
     assert len({a, near, far}) == 3
-
-
-def test_three_client_figure_picks_nearest_and_farthest(tmp_path):
-    from karula_jax.data import from_client_arrays
-
-    rng = np.random.default_rng(0)
-    n = 5
-    xs = [rng.uniform(size=(12, 784)).astype(np.float32) for _ in range(n)]
-    ys = [np.arange(12) % 10 for _ in range(n)]
-    data = from_client_arrays(xs, ys, num_classes=10)
-    pts = rng.normal(size=(n, 2))
-    D = np.sqrt(((pts[:, None] - pts[None]) ** 2).sum(-1))
-    a, near, far = femnist.three_client_figure(
-        data, [f"w{i}" for i in range(n)], D, tmp_path / "c.png", seed=3
-    )
-    others = [i for i in range(n) if i != a]
-    assert near == min(others, key=lambda j: D[a, j])
-    assert far == max(others, key=lambda j: D[a, j])
-    assert (tmp_path / "c.png").stat().st_size > 0
