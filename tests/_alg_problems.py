@@ -63,12 +63,12 @@ def true_dissimilarity(seed: int = 0) -> np.ndarray:
 
 
 def scan_run(alg, params0, data, key, rounds: int):
-    """``init`` then ``rounds`` rounds in one ``lax.scan``; returns (state, infos, params)."""
+    """``init``, then ``rounds`` rounds in one ``lax.scan``: (state, infos, client params)."""
     state = alg.init(params0, data, key=key)
 
     def body(st, _):
         st, info = alg.round(st, data)
-        return st, (info, st.params)
+        return st, (info, alg.client_params(st, data))
 
     state, (infos, traj) = jax.lax.scan(body, state, None, length=rounds)
     return state, infos, traj

@@ -35,12 +35,14 @@ from karula_jax._checks import (
 )
 from karula_jax.algorithms.base import FedState, RoundInfo
 from karula_jax.data.clients import ClientData, client_weights
+from karula_jax.projection.reduction import client_mean
 
 __all__ = [
     "all_finite",
     "broadcast",
     "check_clients_per_round",
     "client_keys",
+    "client_mean",
     "check_mask",
     "check_nonnegative",
     "check_params",
@@ -60,6 +62,8 @@ __all__ = [
     "sample_rows",
     "scale_rows",
     "scatter",
+    "shared_leaves",
+    "stack_clients",
     "tree_sq_dist",
     "weighted_mean",
     "RoundStart",
@@ -162,11 +166,12 @@ def check_state_matches(state, data: ClientData) -> None:
     """ValueError when ``state`` was built for another number of clients than ``data``."""
     if not isinstance(data, ClientData):
         raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
-    leaves = jax.tree.leaves(state.params)
-    n_state = jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else None
-    if n_state is not None and n_state != data.num_clients:
+    # Leaves with a leading axis of 1 may be stored once for every client (stack_clients).
+    leaves = jax.tree.leaves((state.params, state.memory))
+    sizes = {jnp.shape(a)[0] for a in leaves if jnp.ndim(a)} - {1}
+    if sizes and sizes != {data.num_clients}:
         raise ValueError(
-            f"data hold {data.num_clients} clients but state was initialized for {n_state}"
+            f"data hold {data.num_clients} clients but state was initialized for {max(sizes)}"
         )
 
 
@@ -182,8 +187,18 @@ def resolve_weights(weights, data: ClientData) -> jnp.ndarray:
 
 
 def gather(tree: Any, idx: jnp.ndarray) -> Any:
-    """Rows ``idx`` of every leaf (leading client axis)."""
-    return jax.tree.map(lambda a: a[idx], tree)
+    """Rows ``idx`` of every leaf (leading client axis).
+
+    A leaf stored once for every client (leading axis 1, see :func:`stack_clients`) gives
+    its one row to every index; for such a leaf this equals indexing, without the copy.
+    """
+
+    def rows(a):
+        if jnp.shape(a)[0] == 1:
+            return jnp.broadcast_to(a, (idx.shape[0], *jnp.shape(a)[1:]))
+        return a[idx]
+
+    return jax.tree.map(rows, tree)
 
 
 def scatter(tree: Any, idx: jnp.ndarray, rows: Any) -> Any:
@@ -214,10 +229,36 @@ def broadcast(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
 
 
-def start_state(params: Any, n: int, key_run, *, memory: Any = (), extra: Any = ()):
-    """The state of round 0 when every client starts from one model ``params``."""
+def stack_clients(params: Any, n: int, *, shared: Any = None) -> Any:
+    """Every client's copy of one model ``params``, as ``FedState.params`` holds it.
+
+    Leaves are repeated along a leading client axis ``[n, ...]``, except the leaves that
+    ``shared`` (a pytree of bools like ``params``; ``None``: none) flags as common to all
+    clients: those are stored once, as ``[1, ...]``, so that a global model costs one copy
+    and not ``n``. :func:`gather` and :func:`own_params` broadcast them back.
+    """
+    if shared is None:
+        return broadcast(params, n)
+    return jax.tree.map(
+        lambda flag, a: jnp.asarray(a)[None] if flag else broadcast(a, n), shared, params
+    )
+
+
+def shared_leaves(params: Any, personalized: Any) -> Any:
+    """``shared`` for :func:`stack_clients` of a method whose non-personalized leaves are
+    one global model: True where ``personalized`` is False (everywhere when it is None)."""
+    if personalized is None:
+        return jax.tree.map(lambda _: True, params)
+    return jax.tree.map(lambda flag: not bool(flag), personalized)
+
+
+def start_state(
+    params: Any, n: int, key_run, *, memory: Any = (), extra: Any = (), shared: Any = None
+):
+    """The state of round 0 when every client starts from one model ``params``
+    (``shared``: leaves stored once, see :func:`stack_clients`)."""
     return FedState(
-        params=broadcast(params, n),
+        params=stack_clients(params, n, shared=shared),
         memory=memory,
         proj_state=(),
         extra=extra,
@@ -434,6 +475,7 @@ def round_info(values, a_s, mask, finite):
 
 
 def own_params(state, data):
-    """``client_params`` of every method whose state holds each client's model."""
-    del data
-    return state.params
+    """``client_params`` of every method whose state holds each client's model: leaves
+    ``[n, ...]`` (leaves stored once, ``[1, ...]``, broadcast to every client)."""
+    n = data.num_clients
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a)[1:])), state.params)

@@ -34,10 +34,12 @@ class FedState(NamedTuple):
     """State carried across rounds by ``lax.scan``.
 
     Attributes:
-      params: per-client models, pytree with leaves ``[n, ...]`` (baselines with one
-        global model keep it broadcast to ``[n, ...]`` so evaluation is uniform).
-      memory: per-client gradient memory, same structure as ``params``; ``()`` when
-        the algorithm keeps none.
+      params: per-client models, pytree with leaves ``[n, ...]``; a leaf common to
+        every client (a global model's, a shared layer's) may be stored once as
+        ``[1, ...]``. Read models through ``Algorithm.client_params``, which always
+        gives leaves ``[n, ...]``.
+      memory: per-client gradient memory, the tree structure of ``params`` with every
+        leaf ``[n, ...]``; ``()`` when the algorithm keeps none.
       proj_state: projection warm start (dual state), ``()`` when unused.
       extra: algorithm-specific state (IFCA cluster models, pFedMe global model...),
         ``()`` when unused.
@@ -45,7 +47,7 @@ class FedState(NamedTuple):
       round: round counter, int32 scalar.
     """
 
-    params: Any  # pytree, leaves [n, ...]
+    params: Any  # pytree, leaves [n, ...] or [1, ...] (stored once)
     memory: Any  # pytree like params, or ()
     proj_state: Any  # pytree, or ()
     extra: Any  # pytree, or ()

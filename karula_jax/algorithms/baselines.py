@@ -1,8 +1,9 @@
 """Baselines on the Karula engine: Local, FedSGD and FedAvg.
 
 All three use the conventions of :mod:`karula_jax.algorithms._common` (participation,
-minibatches, weights ``alpha``). Global-model methods keep their model broadcast to
-``[n, ...]`` in ``state.params`` so that evaluation is the same for every method.
+minibatches, weights ``alpha``). Global-model methods store their model once, leaves
+``[1, ...]`` in ``state.params`` (``_common.stack_clients``); ``client_params`` broadcasts
+it to ``[n, ...]`` so that evaluation is the same for every method.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def fedsgd(
       weights: optional ``alpha`` of shape ``[n]``.
 
     Returns:
-      An :class:`Algorithm`; ``state.params`` holds the global model broadcast to
-      ``[n, ...]``.
+      An :class:`Algorithm`; ``state.params`` holds the global model once (leaves
+      ``[1, ...]``); ``client_params`` broadcasts it to ``[n, ...]``.
     """
     C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
@@ -129,15 +130,15 @@ def fedsgd(
         C.check_params(loss, params, data)
         n = data.num_clients
         C.check_clients_per_round(s, n)
+        shared = C.shared_leaves(params, None)  # one global model, stored once
         if not memory:
-            return C.start_state(params, n, C.run_key(key))
+            return C.start_state(params, n, C.run_key(key), shared=shared)
         key_init, key_run = C.init_and_run_keys(key)
         alpha = C.resolve_weights(weights, data)
         mem = init_memory(loss, C.broadcast(params, n), data, alpha, key_init, B)
-        return C.start_state(params, n, key_run, memory=mem)
+        return C.start_state(params, n, key_run, memory=mem, shared=shared)
 
     def round_fn(state: FedState, data: ClientData):
-        n = data.num_clients
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
@@ -151,7 +152,7 @@ def fedsgd(
         else:
             direction = C.weighted_mean(grads, a_s)
         w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
-        params = C.broadcast(w, n)
+        params = jax.tree.map(lambda a: a[None], w)
         info = C.round_info(values, a_s, mask, C.all_finite(values, grads, w))
         return state._replace(params=params, memory=mem, round=state.round + 1), info
 
@@ -189,8 +190,9 @@ def fedavg(
         each client and never averaged (FedPer style). ``None``: nothing personalized.
 
     Returns:
-      An :class:`Algorithm`; ``state.params`` holds each client's model (the global
-      model broadcast, plus personalized leaves when requested).
+      An :class:`Algorithm`; ``state.params`` holds the global leaves once (``[1, ...]``)
+      and personalized leaves per client (``[n, ...]``); ``client_params`` gives each
+      client's model.
     """
     C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
@@ -202,7 +204,8 @@ def fedavg(
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        return C.start_state(params, data.num_clients, C.run_key(key))
+        shared = C.shared_leaves(params, personalized)
+        return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
@@ -229,13 +232,13 @@ def _local_train(loss, params, data: ClientData, idx, key, steps, learning_rate,
 
 
 def _aggregate(params, idx, rows, avg, personalized):
-    """Shared leaves: ``avg`` for everyone; personalized leaves: participants' rows."""
-    n = jax.tree.leaves(params)[0].shape[0]
+    """Shared leaves: ``avg``, stored once (``[1, ...]``); personalized leaves: the
+    participants' rows."""
     if personalized is None:
-        return C.broadcast(avg, n)
+        return jax.tree.map(lambda a: a[None], avg)
     flags = jax.tree.map(bool, personalized)
 
     def leaf(flag, p, r, a):
-        return p.at[idx].set(r) if flag else jnp.broadcast_to(a, p.shape)
+        return p.at[idx].set(r) if flag else a[None].astype(p.dtype)
 
     return jax.tree.map(leaf, flags, params, rows, avg)

@@ -59,8 +59,9 @@ def fedprox(
         them towards the client's own previous value).
 
     Returns:
-      An :class:`Algorithm`; ``state.params`` holds each client's model (the global
-      model broadcast, plus personalized leaves when requested).
+      An :class:`Algorithm`; ``state.params`` holds the global leaves once (``[1, ...]``)
+      and personalized leaves per client (``[n, ...]``); ``client_params`` gives each
+      client's model.
     """
     C.check_nonnegative("mu", mu)
     C.check_nonnegative("learning_rate", learning_rate)
@@ -83,7 +84,8 @@ def fedprox(
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        return C.start_state(params, data.num_clients, C.run_key(key))
+        shared = C.shared_leaves(params, personalized)
+        return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
 
     def round_fn(state, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)

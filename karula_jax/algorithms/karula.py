@@ -174,8 +174,9 @@ def karula(
         (e.g. ``functools.partial(ridge_smoothness, lam=lam)``), or ``None`` (see
         above).
       personalized: optional pytree of bools with the structure of ``params``; True
-        leaves are personalized, False leaves are shared (projected to consensus).
-        ``None``: every leaf personalized.
+        leaves are personalized, False leaves are shared: one consensus model, stored
+        once in ``state.params`` (``[1, ...]``) and stepped along the client mean of
+        ``nu`` (their projection). ``None``: every leaf personalized.
       weights: optional client weights ``alpha`` of shape ``[n]`` (default
         proportional to ``N_i`` with mean 1).
       projection_method: solver of the projection: ``"auto"`` (Dykstra for small
@@ -220,31 +221,64 @@ def karula(
             raise ValueError(f"D has shape {D.shape} but data hold {data.num_clients} clients")
         C.check_clients_per_round(s, n)
 
+    # Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]),
+    # stepped along the client mean of nu, which is their projection (the mean of v).
+    if personalized is not None:
+        for flag in jax.tree.leaves(personalized):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(
+                    f"personalized: expected Python bools as leaves, got {type(flag).__name__}"
+                )
+    shared = None if personalized is None else jax.tree.map(lambda f: not f, personalized)
+
     def _radii():
         return radii_squared(t, D)
 
+    def _own(tree):
+        """The personalized leaves of ``tree``, as a list (all of them if none shared)."""
+        leaves = jax.tree.leaves(tree)
+        if shared is None:
+            return leaves
+        return [a for a, f in zip(leaves, jax.tree.leaves(shared), strict=True) if not f]
+
+    def _with_own(tree, own):
+        """``tree`` with its personalized leaves replaced by the list ``own``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        flags = [False] * len(leaves) if shared is None else jax.tree.leaves(shared)
+        own = iter(own)
+        return treedef.unflatten(
+            [a if f else next(own) for a, f in zip(leaves, flags, strict=True)]
+        )
+
     def _project(v, warm_start):
-        return P.project(
-            v,
+        own = _own(v)
+        if not own:  # every leaf shared: v is the consensus already
+            zero = jnp.zeros((), jnp.float32)
+            return v, P.ProjectionInfo(0, zero, zero, zero, zero, True, warm_start)
+        theta, info = P.project(
+            own,
             _radii(),
-            personalized=personalized,
             method=projection_method,
             tol=projection_tol,
             max_iter=projection_max_iter,
             warm_start=warm_start,
         )
+        return _with_own(v, theta), info
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
+        C.check_mask("personalized", personalized, params)
         _check_data(data)
         key_init, key_run = C.init_and_run_keys(key)
-        theta = C.broadcast(params, n)
+        theta = C.stack_clients(params, n, shared=shared)
         alpha = C.resolve_weights(weights, data)
         memory = init_memory(loss, theta, data, alpha, key_init, B)
-        proj_state = P.init_projection_state(
-            theta, _radii(), personalized=personalized, method=projection_method
-        )
         dtype = jnp.result_type(*jax.tree.leaves(params))
+        own = _own(theta)
+        if own:
+            proj_state = P.init_projection_state(own, _radii(), method=projection_method)
+        else:
+            proj_state = P.ProjectionState(jnp.zeros((n, n), dtype), jnp.zeros((0, 0), dtype))
         if learning_rate is None:
             L_i = client_smoothness(
                 loss, params, data, smoothness, key=jax.random.fold_in(key_init, 1)
@@ -267,7 +301,7 @@ def karula(
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         a_s = alpha[idx]
         values, G, nu, memory = saga_round(
-            loss, state.params, state.memory, data, idx, key_batch, a_s, B
+            loss, state.params, state.memory, data, idx, key_batch, a_s, B, shared=shared
         )
         eta = state.extra.learning_rate
         v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
