@@ -303,6 +303,43 @@ def test_feasible_input_is_returned_as_is():
     np.testing.assert_allclose(th, ref, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("n, p", [(2, 3), (7, 5), (12, 40)])
+def test_shrink_toward_the_mean_is_certified(n, p):
+    """A point just outside (every pair 1e-5 beyond its radius, as after a small move
+    from the last round's projection) comes back shrunk toward its mean without a
+    solver; its gap (float64, against cvxpy) and its violation bound (float32 and
+    float64, against exact distances) hold."""
+    rng = np.random.default_rng(n)
+    v = rng.normal(size=(n, p)) + 3.0  # rows far from 0: rounding is relative to |v|
+    d2 = ((v[:, None] - v[None]) ** 2).sum(-1)
+    radii_sq = d2 / (1.0 + 1e-5) ** 2
+    np.fill_diagonal(radii_sq, 0.0)
+    ref, _ = cvxpy_projection(v, radii_sq)
+    scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
+    for method in SOLVERS:
+        for x64 in (True, False):
+            with jax.enable_x64(x64):
+                dt = jnp.float64 if x64 else jnp.float32
+                warm = proj.init_projection_state(jnp.asarray(v, dt), method=method)
+                th, info = proj.project(
+                    jnp.asarray(v, dt),
+                    jnp.asarray(radii_sq, dt),
+                    method=method,
+                    warm_start=jax.tree.map(jnp.ones_like, warm),
+                )
+            case = (method, x64)
+            assert int(info.iterations) == 0 and bool(info.converged), case
+            assert not np.any(np.asarray(info.state.lam)), case
+            assert 0 < float(info.rel_delta) <= 1e-6, case
+            th = np.asarray(th, np.float64)
+            assert _max_violation(th, radii_sq) <= float(info.max_violation) + 1e-15, case
+            assert float(info.max_violation) <= 1e-5 * np.sqrt(radii_sq.max()), case
+            np.testing.assert_allclose(th.mean(0), v.mean(0), atol=1e-5)
+            if x64:  # the certificate: objective minus the optimum is at most delta
+                gap = 0.5 * np.sum((th - v) ** 2) - 0.5 * np.sum((ref - v) ** 2)
+                assert gap <= float(info.delta) + 1e-9 * scale, case
+
+
 @pytest.mark.parametrize("n, p, tol_d", [(100, 4, 1e-5), (60, 130, 1e-9)])
 def test_large_n_auto_matches_dykstra(n, p, tol_d):
     """Many clients: "auto" (the Laplacian dual after screening; rotated when p >= 2n)

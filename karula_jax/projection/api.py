@@ -11,7 +11,7 @@ import numpy as np
 from karula_jax._checks import check_positive, check_positive_int, is_concrete
 from karula_jax.projection.dykstra import _dykstra
 from karula_jax.projection.laplacian import _laplacian
-from karula_jax.projection.reduction import _client_mean, _reduce, _sq_dists_exact
+from karula_jax.projection.reduction import _reduce, _sq_dists_exact, client_mean
 
 __all__ = [
     "METHODS",
@@ -64,7 +64,8 @@ class ProjectionInfo(NamedTuple):
     Attributes:
       iterations: solver iterations used.
       max_violation: ``max_ij max(||theta_i - theta_j|| - r_ij, 0)`` on the returned
-        point (absolute, computed from explicit differences).
+        point (absolute, computed from explicit differences; when the point is ``v``
+        shrunk toward its mean, a bound on it from the rounding analysis instead).
       rel_violation: ``max_violation`` divided by the largest finite radius (by 1 when
         there is none or it is 0).
       delta: certified suboptimality ``1/2||theta - v||^2 - g(lam)`` (>= 0).
@@ -93,26 +94,50 @@ def _violation(out, radii_sq):
     return viol, viol / jnp.where(rmax > 0, rmax, 1.0)
 
 
-def _feasible_as_is(x, radii_sq):
-    """Whether every constraint provably holds at ``x`` [n, p] already (then ``x`` is its
-    own projection with multipliers 0).
+class _Screen(NamedTuple):
+    """What one Gram product tells before any solver runs (see :func:`_screen`)."""
 
-    Screening by one Gram product: the squared distances of the centred rows carry a
-    rounding error below ``(p + 4) eps (|x_i|^2 + |x_j|^2)`` (dot products of length
-    ``p``; the centring adds at most ``eps`` per coordinate), which is added, four
-    times over, before comparing with ``radii_sq``. A pair too close to call sends the
-    whole problem to the solver.
+    as_is: jnp.ndarray  # [] bool, every constraint provably holds at x
+    beta: jnp.ndarray  # [] largest shrink toward the mean that provably holds, <= 1
+    xc: jnp.ndarray  # [n, p] x minus its client mean
+    violation: jnp.ndarray  # [] bound on the shrunk point's violation from rounding
+
+
+def _screen(x, radii_sq) -> _Screen:
+    """Screens ``x`` [n, p] against ``radii_sq`` by one Gram product.
+
+    The squared distances of the centred rows carry a rounding error below
+    ``(p + 4) eps (|x_i|^2 + |x_j|^2)`` (dot products of length ``p``; the centring adds
+    at most ``eps`` per coordinate), which is added, four times over, to give an upper
+    bound ``U_ij``. Then
+
+    * ``x`` is feasible as is when ``U_ij <= r_ij^2 (1 - 8 eps)`` for every pair (then
+      ``x`` is its own projection, with multipliers 0; a pair too close to call sends
+      the problem on);
+    * the shrink ``mean + beta (x - mean)`` with ``beta^2 = min(1, min r_ij^2 (1 - 8 eps)
+      / U_ij)`` is feasible, at objective ``(1 - beta)^2 S`` (``S = 1/2 sum_i ||x_i -
+      mean||^2``) while the dual bound at ``lam = 0`` is 0: its certified gap is
+      ``(1 - beta)^2 S``. Rounds that move models only a little leave the pairs that were
+      active at their radius, too close for the first test but within tolerance here.
     """
     n, p = x.shape
     eps = jnp.finfo(x.dtype).eps
-    xc = x - _client_mean(x)
+    xc = x - client_mean(x)
     sq = jnp.sum(xc * xc, axis=1)
     both = sq[:, None] + sq[None, :]
-    d2 = both - 2.0 * (xc @ xc.T)
-    bound = d2 + 4.0 * (p + 4) * eps * both
-    r2 = radii_sq.astype(x.dtype)
-    ok = (bound <= r2 * (1.0 - 8.0 * eps)) | jnp.eye(n, dtype=bool) | jnp.isposinf(r2)
-    return jnp.all(ok)
+    upper = both - 2.0 * (xc @ xc.T) + 4.0 * (p + 4) * eps * both
+    r2 = radii_sq.astype(x.dtype) * (1.0 - 8.0 * eps)
+    constrained = ~jnp.eye(n, dtype=bool) & ~jnp.isposinf(r2)
+    as_is = jnp.all((upper <= r2) | ~constrained)
+    ratio = jnp.where(constrained & (upper > 0), r2 / jnp.where(upper > 0, upper, 1.0), 1.0)
+    beta = jnp.sqrt(jnp.clip(jnp.min(ratio), 0.0, 1.0))
+    # The shrunk rows x_i - (1 - beta) xc_i differ by beta (x_i - x_j) exactly, plus the
+    # rounding of that sum: at most 2 eps (|x_i| + |x_j|) in norm.
+    norm = jnp.sqrt(jnp.sum(x * x, axis=1))
+    r = jnp.sqrt(jnp.maximum(radii_sq.astype(x.dtype), 0.0))
+    excess = beta * jnp.sqrt(upper) + 2.0 * eps * (norm[:, None] + norm[None, :]) - r
+    violation = jnp.maximum(jnp.max(jnp.where(constrained, excess, 0.0)), 0.0)
+    return _Screen(as_is, beta, xc, violation)
 
 
 def _exact_info(dtype, state) -> ProjectionInfo:
@@ -133,13 +158,43 @@ def _project_core(x, radii_sq, state, tol, max_iter, *, method):
     """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
 
     ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
-    When ``x`` is feasible already (:func:`_feasible_as_is`) the solver is skipped.
+    Before the solver, :func:`_screen` returns ``x`` itself when it is feasible, or its
+    shrink toward the mean when that is certified within ``tol`` (then the multipliers
+    are 0 and the solver, ``O(n^3 + n^2 p)`` per evaluation, is skipped).
     """
-    as_is = _exact_info(x.dtype, jax.tree.map(lambda a: jnp.zeros(a.shape, x.dtype), state))
-    return jax.lax.cond(
-        _feasible_as_is(x, radii_sq),
-        lambda: (x, as_is),
-        lambda: _solve(x, radii_sq, state, tol, max_iter, method=method),
+    # Full-precision float32 products: GPUs otherwise multiply float32 in TF32 (a 10-bit
+    # mantissa), too coarse for the screen's rounding bound and the dual certificate.
+    with jax.default_matmul_precision("highest"):
+        return _project_branches(x, radii_sq, state, tol, max_iter, method=method)
+
+
+def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
+    zero_state = jax.tree.map(lambda a: jnp.zeros(a.shape, x.dtype), state)
+    screen = _screen(x, radii_sq)
+    gap = (1.0 - screen.beta) ** 2  # relative to S
+
+    def shrink():
+        scale = 0.5 * jnp.sum(screen.xc * screen.xc)
+        out = x - (1.0 - screen.beta) * screen.xc
+        rmax = jnp.max(jnp.where(jnp.isfinite(radii_sq), radii_sq, 0.0)).astype(x.dtype)
+        rmax = jnp.sqrt(jnp.maximum(rmax, 0.0))
+        info = _exact_info(x.dtype, zero_state)._replace(
+            max_violation=screen.violation,
+            rel_violation=screen.violation / jnp.where(rmax > 0, rmax, 1.0),
+            delta=gap * scale,
+            rel_delta=gap,
+        )
+        return out, info
+
+    certified = (gap <= tol) & jnp.isfinite(screen.violation)  # NaN input: to the solver
+    branch = jnp.where(screen.as_is, 0, jnp.where(certified, 1, 2))
+    return jax.lax.switch(
+        branch,
+        [
+            lambda: (x, _exact_info(x.dtype, zero_state)),
+            shrink,
+            lambda: _solve(x, radii_sq, state, tol, max_iter, method=method),
+        ],
     )
 
 
@@ -381,7 +436,7 @@ def project(
     for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
         if not m:
             x = jnp.asarray(x)
-            mean = _client_mean(x.astype(_compute_dtype(x.dtype)))
+            mean = client_mean(x.astype(_compute_dtype(x.dtype)))
             out[idx] = jnp.broadcast_to(mean[None], x.shape).astype(_out_dtype(x))
     dtype = _flat_dtype(leaves, mask)
     p = _flat_dim(leaves, mask)

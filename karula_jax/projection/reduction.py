@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _client_mean(x):
+def client_mean(x):
     """Mean over the leading client axis as one matrix-vector product.
 
     XLA:CPU runs ``jnp.mean(x, axis=0)`` on a wide leaf (e.g. a shared ``[30, 784, 100]``
@@ -66,24 +66,14 @@ class _Reduced(NamedTuple):
 
 
 def _span_basis(a):
-    """Orthonormal columns spanning the rows of ``a`` [n, p] (zero columns where a row
-    adds no new direction), by Gram-Schmidt with re-orthogonalization. [p, n].
+    """Orthonormal columns whose span holds the rows of ``a`` [n, p] (p >= n). [p, n].
 
-    (LAPACK QR of tall float32 matrices was found to be orders of magnitude slower on
-    the CPU than this loop.)
+    Householder QR of ``a^T``: ``Q`` is orthonormal even when ``a`` is rank deficient (then
+    some columns are directions no row uses, on which every row has coordinate 0), so
+    ``a @ Q`` keeps every distance. (Measured on one CPU core at p = 1010: 0.14 / 1.3 /
+    3.1 ms for n = 30 / 100 / 200, 6-10x faster than Gram-Schmidt with re-orthogonalization.)
     """
-    n, p = a.shape
-    floor = 64.0 * n * jnp.finfo(a.dtype).eps * jnp.max(jnp.sqrt(jnp.sum(a * a, axis=1)))
-
-    def body(i, q):
-        x = a[i]
-        x = x - q @ (q.T @ x)
-        x = x - q @ (q.T @ x)
-        norm = jnp.sqrt(jnp.sum(x * x))
-        col = jnp.where(norm > floor, x / jnp.where(norm > 0, norm, 1.0), 0.0)
-        return q.at[:, i].set(col)
-
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((p, n), a.dtype))
+    return jnp.linalg.qr(a.T)[0]
 
 
 def _reduce(x, radii_sq, *, rotate):
@@ -96,7 +86,7 @@ def _reduce(x, radii_sq, *, rotate):
     count = jax.ops.segment_sum(jnp.ones((n,), dtype), labels, n)
     live = count > 0
     mass = jnp.where(live, count, 1.0)
-    mu = _client_mean(x)
+    mu = client_mean(x)
     xc = x - mu
     wbar = jax.ops.segment_sum(xc, labels, n) / mass[:, None]
     rmin = jax.ops.segment_min(r, labels, n)  # [slot, client]
