@@ -115,6 +115,18 @@ def fastest(steps, state, reps: int):
     return best, states
 
 
+def machine() -> str:
+    """The device a benchmark ran on, for its table's header."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        load = os.getloadavg()[0]
+        return (
+            f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
+            f"average {load:.1f} at the end), no GPU"
+        )
+    return f"{dev.device_kind} ({dev.platform}), host with {os.cpu_count()} CPU cores"
+
+
 def identity_projection(v, radii_sq, *, warm_start=None, **kwargs):
     """``projection.project`` minus the projection (returns ``v``), for the ablation."""
     zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -196,8 +208,8 @@ def to_markdown(cfg, quick, rows, proj_rows) -> str:
     return "\n".join(
         [
             "# Compiled rounds vs an eager per-client Python loop\n",
-            f"`python -m experiments.bench_rounds{' --quick' * quick}`; {platform.machine()} "
-            f"CPU ({os.cpu_count()} cores, shared), jax {jax.__version__}, "
+            f"`python -m experiments.bench_rounds{' --quick' * quick}`; {machine()}, "
+            f"jax {jax.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cfg}. Times are the "
             "best of several calls. Eager: a Python loop over the participants with "
             "un-jitted `jax.value_and_grad` and `projection.project`; loop+jit: the same "

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
-import platform
 import time
 from unittest import mock
 
 import jax
 import numpy as np
 
-from experiments.bench_rounds import identity_projection
+from experiments.bench_rounds import identity_projection, machine
 from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection
@@ -26,13 +24,13 @@ from karula_jax.training import progress_bar
 class ScaleConfig:
     """FEMNIST-shaped rounds of FedAvg and Karula (default projection) for growing n.
 
-    Command: ``python -m experiments.bench_scale`` writes ``results/bench/scale.md``;
-    ``--sizes 30,100`` picks the n; ``--quick`` prints n = 30, 100 only (about 1 min).
+    Command: ``python -m experiments.bench_scale`` writes ``results/bench/scale.md``
+    (``--out`` elsewhere, e.g. a GPU's table); ``--sizes 30,100`` picks the n;
+    ``--quick`` prints n = 30, 100 only (about 1 min).
 
-    Expected (2 shared CPU cores): n = 30 to 1000 in 10-15 min; a Karula round 2-4x a
-    FedAvg round at the paper's t and 3-8x at the stress t from n = 300 on, most of the
-    gap being passes over the ``[n, p]`` state (the projection's share is printed);
-    n = 3000 adds about 10 min at ``rounds_large``.
+    Expected: on 2 CPU cores about 15 min, a Karula round within 2x a FedAvg round up to
+    n = 1000 and 3x at n = 3000, state within 1.2x of the minimum, compile under 15 s;
+    on one H100 about 3 min.
 
     Attributes:
       sizes: numbers of clients n; s = n / 10 participate in a round.
@@ -46,7 +44,7 @@ class ScaleConfig:
         784-100-10 MLP, output layer personalized; D uniform in [0.5, 1.5].
     """
 
-    sizes: tuple[int, ...] = (30, 100, 300, 1000)
+    sizes: tuple[int, ...] = (30, 100, 300, 1000, 3000)
     t_values: tuple[float, ...] = (20.0, 0.01)
     rounds: int = 7
     rounds_large: int = 3
@@ -89,9 +87,10 @@ def minimum_bytes(params, pers, n: int, karula: bool) -> int:
 
 
 def compiled_round(alg, state, data):
-    """(compiled ``state -> state`` round, compile seconds)."""
+    """(compiled ``(state, data) -> state`` round, compile seconds); the data are an
+    argument, as in ``training.run``, not constants folded into the program."""
     t0 = time.perf_counter()
-    fn = jax.jit(lambda st: alg.round(st, data)).lower(state).compile()
+    fn = jax.jit(alg.round).lower(state, data).compile()
     return fn, time.perf_counter() - t0
 
 
@@ -126,7 +125,7 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
         for name, fn in fns.items():
             base = name.removesuffix(" bare")
             t0 = time.perf_counter()
-            state, info = jax.block_until_ready(fn(states[base]))
+            state, info = jax.block_until_ready(fn(states[base], data))
             if r > 0:
                 times[name].append(time.perf_counter() - t0)
             if name == base:
@@ -164,10 +163,8 @@ def to_markdown(cfg, argv, rows) -> str:
         [
             "# FedAvg and Karula rounds as the number of clients grows\n",
             f"`python -m experiments.bench_scale {' '.join(argv)}`".replace(" `", "`")
-            + f"; {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs "
-            f"(load average {os.getloadavg()[0]:.1f} at the end), no GPU, jax "
-            f"{jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{cfg}.\n",
+            + f"; {machine()}, jax {jax.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cfg}.\n",
             "One process; after one warm-up round the methods take turns round by round "
             "and the median round is reported. Compile: lowering and compiling one round. "
             "State: bytes of the `FedState` leaves; minimum: what the method must hold "
