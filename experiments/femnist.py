@@ -133,23 +133,20 @@ def _draws(cfg: Config, seeds) -> tuple[ClientData, ClientData, list[list[str]]]
     """Training and test data of each seed's writer draw, stacked ``[S, n, N, ...]``."""
     kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
     sets = [load_leaf(cfg.data_dir, seed=int(s), **kw) for s in seeds]
-    return (
-        protocol.stack_datasets([d.train for d in sets]),
-        protocol.stack_datasets([d.test for d in sets]),
-        [list(d.writers) for d in sets],
+    train, test = (
+        protocol.stack_datasets([getattr(d, k) for d in sets]) for k in ("train", "test")
     )
+    return train, test, [list(d.writers) for d in sets]
 
 
 def _member_kwargs(cfg: Config, model, train: ClientData, keys) -> dict:
     """Per data set: D, the library rates, IFCA's random clusters, spectral labels of D."""
     embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
     D, info = protocol.member_dissimilarities(train, jax.random.key(0), num_classes=10, **embed)
-    init = lambda k: models.init_params(model, k, (1, 784))
-    clusters = jax.vmap(  # IFCA paper: k independent random initializations
-        lambda k: jax.vmap(lambda c: init(jax.random.fold_in(k, 100 + c)))(
-            jnp.arange(cfg.ifca_clusters)
-        )
-    )(keys)
+    # IFCA paper: k independent random initializations
+    init = lambda k, c: models.init_params(model, jax.random.fold_in(k, 100 + c), (1, 784))
+    cs = jnp.arange(cfg.ifca_clusters)
+    clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(k, c))(cs))(keys)
     labels = protocol.cluster_labels(D, cfg.cluster_grid)
     rates = {k: jnp.asarray(v, jnp.float32) for k, v in library_rates(cfg, train.counts).items()}
     kw = dict(D=D, rates=rates, clusters=clusters, labels=labels)
@@ -162,23 +159,21 @@ def tune(cfg: Config, model, loss, methods) -> dict[str, dict]:
     keys = jax.random.key(TUNING_SEED)[None]
     cv = protocol.cv_datasets(train, test, 2, key=keys)
     kw, _ = _member_kwargs(cfg, model, cv.train, cv.per_member(keys))
-    chosen = {}
-    for name, m in methods.items():
-        if len(m.points()) == 1:  # nothing to choose (untuned methods: the empty point)
-            chosen[name] = m.points()[0]
-            continue
-        out = protocol.cross_validate(
-            m,
-            models.init_params(model, keys[0], (1, 784)),
-            cv,
-            keys=keys,
-            num_rounds=cfg.rounds,
-            eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
-            score=lambda v: v["nll"].mean(-1),
-            member_kwargs=kw,
-        )
-        chosen[name] = m.points()[out.chosen[0]]
-        print(f"CV on the tuning draw, {name}: {m.labels()} -> {out.chosen_labels[0]}")
+    outcomes = protocol.compare(
+        {name: m for name, m in methods.items() if len(m.points()) > 1},  # something to choose
+        models.init_params(model, keys[0], (1, 784)),
+        cv,
+        keys=keys,
+        num_rounds=cfg.rounds,
+        eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
+        score=lambda v: v["nll"].mean(-1),
+        member_kwargs=kw,
+        describe=lambda o: f"CV on the tuning draw: {o.labels}",
+    )
+    chosen = {
+        name: m.points()[outcomes[name].chosen[0] if name in outcomes else 0]
+        for name, m in methods.items()
+    }
     return {name: point for name, point in chosen.items() if point}
 
 

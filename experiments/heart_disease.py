@@ -19,8 +19,6 @@ from experiments.report import DATA_DIR, RESULTS
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
 from karula_jax.data import ClientData, load_heart_disease
-from karula_jax.stats import mean_and_se
-from karula_jax.training import progress_bar
 
 __all__ = ["METHODS", "Config", "main", "run_experiment"]
 
@@ -82,9 +80,8 @@ def quick_config(cfg: Config) -> Config:
 
 def make_methods(cfg: Config, batch_size: int) -> dict[str, protocol.Method]:
     """Every method; steps from the smoothness ``L_f``, ``L_max`` (README)."""
-    rates = protocol.smoothness_rates(
-        karula=0.375, fedavg=0.1, ifca=0.5, personal=0.5, num_clients=4
-    )
+    rates = dict(karula=0.375, fedavg=0.1, ifca=0.5, personal=0.5)
+    rates = protocol.smoothness_rates(**rates, num_clients=4)
     rates["pfedme"] = lambda lam, **_: 0.5 / lam
     grids = {"IFCA": cfg.ifca_clusters, "pFedMe": cfg.pfedme_lam, "Karula": cfg.t_grid}
     grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
@@ -168,37 +165,29 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     methods = make_methods(cfg, int(train.x.shape[2]))  # full gradients
 
     # every method: grid points by K-fold CV (mean validation log-loss over the hospitals)
-    values, outcomes = {}, {}
-    test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
     names = [m for m in METHODS if m in cfg.methods or m == "Karula"]
     grids = [f"{m}: {', '.join(methods[m].labels())}" for m in names if methods[m].tuned]
     print("CV grids: " + "; ".join(grids))
-    for name in progress_bar(names, desc="methods", unit="method"):
-        res = outcomes[name] = protocol.cross_validate(
-            methods[name],
-            models.linear_params(train.x.shape[-1]),
-            cv,
-            keys=jax.random.split(jax.random.key(0), S),
-            num_rounds=cfg.rounds,
-            eval_fn=_metrics,
-            score=lambda m: m["nll"].mean(-1),
-            member_kwargs=member_kwargs,
-        )
-        if res.diagnostics:
-            print(f"    {res.diagnostics}")
+    outcomes = protocol.compare(
+        {m: methods[m] for m in names},
+        models.linear_params(train.x.shape[-1]),
+        cv,
+        keys=jax.random.split(jax.random.key(0), S),
+        num_rounds=cfg.rounds,
+        eval_fn=_metrics,
+        score=lambda m: m["nll"].mean(-1),
+        member_kwargs=member_kwargs,
+        describe=lambda o: f"mean per-hospital test accuracy {o.metrics['acc'].mean():.3f}",
+    )
+    test_counts = np.asarray(cv.final(cv.evals).counts, np.float64)  # [S, n]
+    values = {}
+    for name, res in outcomes.items():
         acc = res.metrics["acc"]  # [S, n]
         values[name] = {
             "test_acc": acc.mean(axis=1),
             "pooled_acc": (acc * test_counts).sum(axis=1) / test_counts.sum(axis=1),
             "test_logloss": res.metrics["nll"].mean(axis=1),
         } | {f"acc_{hn}": acc[:, j] for j, hn in enumerate(hosp)}
-        mean, band = mean_and_se(values[name]["test_acc"])
-        chosen = reporting.choice_counts(res.chosen_labels)
-        print(
-            f"{name:>7}: mean per-hospital test accuracy {mean:.3f} ± {band:.3f}, pooled "
-            f"{values[name]['pooled_acc'].mean():.3f} ({res.seconds:.1f}s)"
-            + (f", CV chose {chosen}" if chosen else "")
-        )
     rows = reporting.comparison_rows(values, reference="Karula", paired="test_acc")
     for row, res in zip(rows, outcomes.values(), strict=True):
         row |= {"cv_choice": reporting.choice_counts(res.chosen_labels), "runtime_s": res.seconds}

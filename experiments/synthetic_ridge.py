@@ -24,7 +24,6 @@ from karula_jax import protocol, reporting
 from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.models import ridge_loss
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
-from karula_jax.training import progress_bar
 
 __all__ = ["SyntheticConfig", "build_batch", "main", "run_experiment", "run_sensitivity"]
 
@@ -148,13 +147,11 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
     if cfg.noise_std is not None:
         gen["noise_std"] = cfg.noise_std
     sets = [synthetic_ridge(seed, **gen) for seed in range(cfg.seeds)]
-    fold_key = lambda s: jax.random.fold_in(jax.random.key(1_000_003), s)
-    cv = protocol.cv_datasets(
-        protocol.stack_datasets([s.train for s in sets]),
-        protocol.stack_datasets([s.test for s in sets]),
-        cfg.num_folds,
-        key=jax.vmap(fold_key)(jnp.arange(cfg.seeds)),
+    train, test = (
+        protocol.stack_datasets([getattr(s, k) for s in sets]) for k in ("train", "test")
     )
+    fold_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1_000_003), s))
+    cv = protocol.cv_datasets(train, test, cfg.num_folds, key=fold_keys(jnp.arange(cfg.seeds)))
     B = cv.train.x.shape[0]
     t0 = time.perf_counter()
     emb_keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(2_000_003), b))(jnp.arange(B))
@@ -224,12 +221,12 @@ def _metrics(theta, evals):
     }
 
 
-def run_method(name: str, method: protocol.Method, batch: Batch, cfg: SyntheticConfig, log=print):
-    """Cross-validates ``method`` (pooled validation MSE) and scores its final fits."""
+def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, log=print) -> dict:
+    """Cross-validates every method (pooled validation MSE) and scores its final fits."""
     cv, K = batch.cv, cfg.num_folds
     rows = np.asarray(cv.evals.counts, np.float64).reshape(cfg.seeds, K + 1, 1, -1)[:, :K]
-    out = protocol.cross_validate(
-        method,
+    return protocol.compare(
+        specs,
         jnp.zeros((cfg.dim,), jnp.float32),
         cv,
         keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
@@ -241,15 +238,11 @@ def run_method(name: str, method: protocol.Method, batch: Batch, cfg: SyntheticC
         score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
         fold_weights=rows.sum(-1)[..., 0],
         warn_unconverged=False,  # the projection is capped on purpose (README)
+        describe=lambda o: (
+            f"error {o.metrics['error'].mean():7.3f}  R2 {o.metrics['r2'].mean():6.3f}"
+        ),
+        log=log,
     )
-    if out.diagnostics:
-        log(f"    {out.diagnostics}")
-    error, r2 = out.metrics["error"].mean(-1), out.metrics["r2"].mean(-1)
-    log(
-        f"{name:7s} {out.seconds:6.1f} s  error {error.mean():7.3f}  R2 {r2.mean():6.3f}"
-        + (f"  chosen {out.chosen_labels}" if method.tuned else "")
-    )
-    return out
 
 
 def _exact_references(batch: Batch, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
@@ -281,13 +274,10 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     names = [m for m in METHODS + EXTRA if m in cfg.methods or m == "Karula"]
     grids = [f"{name}: {', '.join(specs[name].labels())}" for name in names if specs[name].tuned]
     log("CV grids: " + "; ".join(grids))
-    results = {
-        name: run_method(name, specs[name], batch, cfg, log=log)
-        for name in progress_bar(names, desc="methods", unit="method")
-    }
+    results = run_methods({name: specs[name] for name in names}, batch, cfg, log=log)
     if cfg.diagnostics:
         for name, D in zip(DIAGNOSTICS, (batch.D_true, batch.D_population), strict=True):
-            results[name] = run_method(name, specs["Karula"], batch._replace(D=D), cfg, log=log)
+            results |= run_methods({name: specs["Karula"]}, batch._replace(D=D), cfg, log=log)
     refs = _exact_references(batch, cfg)
 
     # Dissimilarity structure: truth vs Karula's D vs distances between Local models.

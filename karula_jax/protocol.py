@@ -14,11 +14,11 @@ result is the final fit at that point, scored on its test rows.
   traced grid (vmapped) and/or a static grid (one compilation per entry).
 * :func:`cross_validate` trains a method on every member and grid point with
   :func:`karula_jax.training.run_many` (members without a grid: final fits only) and
-  returns the per-seed outcome.
+  returns the per-seed outcome; :func:`compare` does so for every method of a study.
 * :func:`method_suite` builds the :class:`Method` of every compared method (:data:`SUITE`)
-  from a loss, step-size rules and grids; :func:`member_dissimilarities` and
-  :func:`smoothness_constants` give every member its D and the constants behind its steps,
-  :func:`cluster_labels` its clients' groups.
+  from a loss, step-size rules (e.g. :func:`smoothness_rates`) and grids;
+  :func:`member_dissimilarities` and :func:`smoothness_constants` give every member its D
+  and the constants behind its steps, :func:`cluster_labels` its clients' groups.
 """
 
 from __future__ import annotations
@@ -39,7 +39,12 @@ from karula_jax import evaluation as ev
 from karula_jax.algorithms.base import Algorithm, LossFn
 from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
+from karula_jax.training import (
+    ProjectionNotConvergedWarning,
+    describe_diagnostics,
+    progress_bar,
+    run_many,
+)
 
 __all__ = [
     "CVData",
@@ -48,6 +53,7 @@ __all__ = [
     "SUITE",
     "choice_grid",
     "cluster_labels",
+    "compare",
     "cross_validate",
     "cv_datasets",
     "member_dissimilarities",
@@ -526,3 +532,36 @@ def cross_validate(
         seconds=time.perf_counter() - t0,
         diagnostics="; ".join(reports),
     )
+
+
+def compare(
+    methods: Mapping[str, Method],
+    params: Any,
+    data: CVData,
+    *,
+    describe: Callable[[CVOutcome], str] = lambda outcome: "",
+    log: Callable[[str], None] = print,
+    **options,
+) -> dict[str, CVOutcome]:
+    """Cross-validates every method in turn (:func:`cross_validate`), with a progress bar.
+
+    Args:
+      methods: ``{name: Method}``, run in this order.
+      params: the initial model(s), as in :func:`cross_validate`.
+      data: the :class:`CVData`.
+      describe: a method's summary for the log, ``describe(outcome) -> str``.
+      log: where a line per method goes (its projection report when inexact, its wall
+        time, ``describe`` and the CV choice per seed).
+      **options: the other arguments of :func:`cross_validate`.
+
+    Returns:
+      ``{name: CVOutcome}`` in the order of ``methods``.
+    """
+    outcomes = {}
+    for name in progress_bar(list(methods), desc="methods", unit="method"):
+        out = outcomes[name] = cross_validate(methods[name], params, data, **options)
+        if out.diagnostics:
+            log(f"    {out.diagnostics}")
+        chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""
+        log(f"{name:7s} {out.seconds:6.1f} s  {describe(out)}{chosen}")
+    return outcomes

@@ -14,6 +14,8 @@ from karula_jax.protocol import (
     SUITE,
     Method,
     choice_grid,
+    cluster_labels,
+    compare,
     cross_validate,
     cv_datasets,
     member_dissimilarities,
@@ -244,3 +246,36 @@ def test_smoothness_constants_match_the_hessian_bound(logistic):
         L_want.append((np.max(alpha * L) / 3, L.max()))
     L_f, L_max = smoothness_constants(stack_datasets(members), 0.1, logistic=logistic)
     np.testing.assert_allclose(np.stack([L_f, L_max], 1), L_want, rtol=1e-5)
+
+
+def test_compare_runs_cross_validate_per_method_and_logs_each():
+    S, K = 2, 2
+    train = stack_datasets([_data(s, (8, 6, 10)) for s in range(S)])
+    test = stack_datasets([_data(10 + s, (4, 4, 4)) for s in range(S)])
+    cv = cv_datasets(train, test, K, key=jax.random.split(jax.random.key(1), S))
+    loss, linear = ridge_loss(0.01), lambda th, x: x @ th
+    make = lambda lr: A.local(loss, learning_rate=lr, batch_size=10)
+    methods = {"grid": Method(make, {"lr": np.array([0.1, 0.5], np.float32)})}
+    methods["fixed"] = Method(lambda: make(0.3))
+    kw = dict(keys=jax.random.split(jax.random.key(2), S), num_rounds=5)
+    kw |= dict(eval_fn=lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)})
+    kw |= dict(score=lambda m: m["mse"].mean(-1))
+    lines = []
+    out = compare(methods, jnp.zeros(2), cv, describe=lambda o: "x", log=lines.append, **kw)
+    assert list(out) == ["grid", "fixed"] and len(lines) == 2
+    assert "chosen" in lines[0] and "chosen" not in lines[1] and lines[1].endswith("x")
+    for name, m in methods.items():
+        want = cross_validate(m, jnp.zeros(2), cv, **kw)
+        np.testing.assert_array_equal(out[name].chosen, want.chosen)
+        np.testing.assert_allclose(out[name].metrics["mse"], want.metrics["mse"], rtol=1e-6)
+
+
+def test_cluster_labels_stack_each_members_clusters():
+    D = np.abs(np.subtract.outer([0.0, 0.1, 5.0, 5.2], [0.0, 0.1, 5.0, 5.2]))
+    labels = cluster_labels(np.stack([D, D[::-1, ::-1]]), (1, 2))
+    assert labels.shape == (2, 2, 4) and labels.dtype == np.int32
+    np.testing.assert_array_equal(labels[:, 0], 0)
+    for b in range(2):
+        want = A.cluster_clients(np.stack([D, D[::-1, ::-1]])[b], 2)
+        np.testing.assert_array_equal(labels[b, 1], want)
+    assert labels[0, 1, 0] == labels[0, 1, 1] != labels[0, 1, 2] == labels[0, 1, 3]
