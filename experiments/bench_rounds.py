@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import os
-import pathlib
-import platform
 import time
 from unittest import mock
 
@@ -20,6 +16,7 @@ from karula_jax import algorithms as A
 from karula_jax import projection, training
 from karula_jax.data import client_weights, from_client_arrays
 from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
+from karula_jax.reporting import cli, machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +57,15 @@ class RoundsConfig:
 QUICK = RoundsConfig(rounds=10, eager_rounds=1, t_values=(1e-4,))
 
 
-def make_problem(cfg: RoundsConfig, seed: int = 0):
+def make_problem(n: int, seed: int = 0):
+    """(data, params, loss, D): n FEMNIST-shaped random clients, the MLP, D in [0.5, 1.5]."""
     rng = np.random.default_rng(seed)
-    counts = rng.integers(150, 211, size=cfg.num_clients)
+    counts = rng.integers(150, 211, size=n)
     xs = [rng.normal(size=(c, 784)).astype(np.float32) for c in counts]
     data = from_client_arrays(xs, [rng.integers(0, 10, size=c) for c in counts], num_classes=10)
     model = mlp(100, 10)
     params = init_params(model, jax.random.PRNGKey(seed), (1, 784))
-    d = np.triu(rng.uniform(0.5, 1.5, size=(cfg.num_clients, cfg.num_clients)), 1)
+    d = np.triu(rng.uniform(0.5, 1.5, size=(n, n)), 1)
     return data, params, cross_entropy_loss(model.apply), d + d.T
 
 
@@ -115,18 +113,6 @@ def fastest(steps, state, reps: int):
     return best, states
 
 
-def machine() -> str:
-    """The device a benchmark ran on, for its table's header."""
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        load = os.getloadavg()[0]
-        return (
-            f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
-            f"average {load:.1f} at the end), no GPU"
-        )
-    return f"{dev.device_kind} ({dev.platform}), host with {os.cpu_count()} CPU cores"
-
-
 def identity_projection(v, radii_sq, *, warm_start=None, **kwargs):
     """``projection.project`` minus the projection (returns ``v``), for the ablation."""
     zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -169,7 +155,7 @@ def share_columns(cfg, alg, data, res) -> str:
 
 def bench(cfg: RoundsConfig) -> tuple[list[str], list[str]]:
     """Rows of the speed-up table and of the projection-share table."""
-    problem = data, params, loss, D = make_problem(cfg)
+    problem = data, params, loss, D = make_problem(cfg.num_clients)
     pers = output_layer_mask(params)
     proj = functools.partial(projection.project, personalized=pers, max_iter=1000)
     kw = dict(clients_per_round=cfg.per_round, batch_size=cfg.batch_size)
@@ -226,11 +212,8 @@ def to_markdown(cfg, quick, rows, proj_rows) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "bench/rounds.md")
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else RoundsConfig()
+    out = RESULTS / "bench/rounds.md"
+    cfg, args = cli(RoundsConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
     publish(to_markdown(cfg, args.quick, *bench(cfg)), args.out, quick=args.quick)
 
 

@@ -35,9 +35,10 @@ class Config:
     """One FEMNIST run.
 
     Command: ``python -m experiments.femnist [--data-dir PATH] [--rounds R] [--seeds S]
-    [--quick] [--rate-scale X] [--t T] [--invert] [--out DIR] [--tag NAME]``; the two
-    configurations of ``results/femnist/`` are the defaults (the paper's rates on LEAF's
-    pixels) and ``--invert --rate-scale 10 --tag invert_x10``.
+    [--quick] [--rate-scale X] [--rates default] [--t T] [--invert] [--out DIR]
+    [--tag NAME]``; the configurations of ``results/femnist/`` are the defaults (the
+    paper's rates on LEAF's pixels), ``--invert --rate-scale 10 --tag invert_x10`` and
+    ``--invert --rates default --tag invert_default``.
 
     Expected and runtime: ``results/femnist/README.md`` (8 seeds: about 25 minutes per
     command on an idle 2-core machine).
@@ -51,6 +52,9 @@ class Config:
       seeds: seeds (writer draw, initial model, participation, minibatches), vmapped.
       paper_rates: the paper's step sizes (summed-loss units, see README); FedProx,
         SCAFFOLD, Ditto and the clustered FedAvg take FedAvg's, the penalty Karula's.
+      rates: ``"paper"`` (``paper_rates`` times ``rate_scale``) or ``"default"``: every
+        method at its own default step from each draw's smoothness at the initial model
+        (:func:`karula_jax.protocol.default_rates`; Karula's is its ``learning_rate=None``).
       rate_scale, local_steps: multiplies every paper rate; the FedAvg family's local steps.
       ifca_clusters, t: IFCA's clusters (independent random models); Karula's radius scale.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
@@ -73,6 +77,7 @@ class Config:
         ("fedavg", 1e-4),
         ("karula", 2e-4),
     )
+    rates: str = "paper"
     rate_scale: float = 1.0
     local_steps: int = 5
     ifca_clusters: int = 3
@@ -139,8 +144,8 @@ def _draws(cfg: Config, seeds) -> tuple[ClientData, ClientData, list[list[str]]]
     return train, test, [list(d.writers) for d in sets]
 
 
-def _member_kwargs(cfg: Config, model, train: ClientData, keys) -> dict:
-    """Per data set: D, the library rates, IFCA's random clusters, spectral labels of D."""
+def _member_kwargs(cfg: Config, model, train: ClientData, keys, params) -> dict:
+    """Per data set: D, the rates, IFCA's random clusters, spectral labels of D."""
     embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
     D, info = protocol.member_dissimilarities(train, jax.random.key(0), num_classes=10, **embed)
     # IFCA paper: k independent random initializations
@@ -148,7 +153,16 @@ def _member_kwargs(cfg: Config, model, train: ClientData, keys) -> dict:
     cs = jnp.arange(cfg.ifca_clusters)
     clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(k, c))(cs))(keys)
     labels = protocol.cluster_labels(D, cfg.cluster_grid)
-    rates = {k: jnp.asarray(v, jnp.float32) for k, v in library_rates(cfg, train.counts).items()}
+    rates = library_rates(cfg, train.counts)
+    if cfg.rates == "default":  # params [B, ...]: each data set's initial model
+        at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+        loss, s = models.cross_entropy_loss(model.apply), cfg.clients_per_round
+        steps = [
+            protocol.default_rates(loss, at(params, b), at(train, b), s, key=keys[b])
+            for b in range(len(keys))
+        ]
+        rates = {k: np.array([r[k] for r in steps]) for k in rates}
+    rates = {k: jnp.asarray(v, jnp.float32) for k, v in rates.items()}
     kw = dict(D=D, rates=rates, clusters=clusters, labels=labels)
     return kw, bool(np.all(info.converged))
 
@@ -158,10 +172,12 @@ def tune(cfg: Config, model, loss, methods) -> dict[str, dict]:
     train, test, _ = _draws(cfg, [TUNING_SEED])
     keys = jax.random.key(TUNING_SEED)[None]
     cv = protocol.cv_datasets(train, test, 2, key=keys)
-    kw, _ = _member_kwargs(cfg, model, cv.train, cv.per_member(keys))
+    members, p0 = cv.per_member(keys), models.init_params(model, keys[0], (1, 784))
+    stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(members), *a.shape)), p0)
+    kw, _ = _member_kwargs(cfg, model, cv.train, members, stacked)
     outcomes = protocol.compare(
         {name: m for name, m in methods.items() if len(m.points()) > 1},  # something to choose
-        models.init_params(model, keys[0], (1, 784)),
+        p0,
         cv,
         keys=keys,
         num_rounds=cfg.rounds,
@@ -206,7 +222,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     chosen = tune(cfg, model, loss, methods)
 
     train, test, writers = _draws(cfg, range(S))
-    kw, converged = _member_kwargs(cfg, model, train, seed_keys)
+    kw, converged = _member_kwargs(cfg, model, train, seed_keys, params0)
     print(f"{S} draws of {cfg.num_clients} writers; D converged: {converged}")
     alpha = jnp.stack([client_weights(c) for c in train.counts])  # [S, n]
 
@@ -266,7 +282,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     columns += [("karula_minus", "Karula minus method (paired)")]
     columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
     columns += [("chosen", "CV choice (tuning draw)"), ("runtime_s", "runtime (s)")]
-    rates = library_rates(cfg, train.counts)
+    rates = kw["rates"]
     notes = [
         f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
         f"{cfg.min_samples} training digits, the initial model, participation and minibatches. "
@@ -274,7 +290,8 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         f"the seeds' mean accuracies, decided when it exceeds its 2 SE.",
         f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
         f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
-        f"pixels, paper rates x {cfg.rate_scale:g} (library rates, seed 0: "
+        f"pixels, {f'paper rates x {cfg.rate_scale:g}' if cfg.rates == 'paper' else 'defaults'}"
+        " (library rates, seed 0: "
         + ", ".join(f"{k} {v[0]:.4g}" for k, v in rates.items())
         + f"). Karula: t = {cfg.t:g} on D ({cfg.norm} norm), output layer personalized (also "
         f"in the penalty); the FedAvg family: {cfg.local_steps} local "

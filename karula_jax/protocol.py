@@ -37,7 +37,7 @@ import numpy as np
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.algorithms.base import Algorithm, LossFn
-from karula_jax.data.clients import ClientData
+from karula_jax.data.clients import ClientData, client_weights
 from karula_jax.embedding import dissimilarities
 from karula_jax.training import (
     ProjectionNotConvergedWarning,
@@ -57,6 +57,7 @@ __all__ = [
     "cross_validate",
     "cv_datasets",
     "member_dissimilarities",
+    "default_rates",
     "method_suite",
     "smoothness_constants",
     "smoothness_rates",
@@ -201,6 +202,31 @@ def smoothness_rates(
         "ditto_personal": lambda L_max, **_: personal / L_max,
         "penalty_mu": lambda L_f, mu, **_: mu * L_f,
     }
+
+
+def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int, *, key):
+    """Each method's own default step on one data set, from every client's ``L_i``.
+
+    ``L_i`` as ``karula(learning_rate=None)`` resolves it
+    (:func:`karula_jax.algorithms.client_smoothness`: the loss's own constants, else power
+    iteration with Hessian-vector products at ``params``, times 2). With
+    ``a_i = alpha_i L_i``:
+
+    * ``karula``: :func:`karula_jax.algorithms.karula_learning_rate` (Karula's default);
+    * ``local``: ``n / max_i a_i``, half the limit of the steps ``eta a_i / n`` of
+      :func:`karula_jax.algorithms.local` (as Karula's rule with ``s = n``);
+    * ``fedavg``: ``1 / max_i L_i``, half the gradient-descent limit on the worst client's
+      mean loss, for the FedAvg family's local steps.
+
+    Returns:
+      ``{"karula", "local", "fedavg": float}``.
+    """
+    L_i = A.client_smoothness(loss, params, data, key=key)
+    alpha = client_weights(data.counts)
+    a = np.asarray(alpha * L_i, np.float64)
+    karula = A.karula_learning_rate(L_i, alpha, clients_per_round)
+    n = data.num_clients
+    return {"karula": float(karula), "local": n / a.max(), "fedavg": 1.0 / float(L_i.max())}
 
 
 def smoothness_constants(

@@ -5,7 +5,8 @@
   measured column ``k`` has its mean in ``k`` and its 2-SE half width in ``k_2se``) and
   Markdown with ``mean ± 2 SE``. :func:`mean_se_columns`, :func:`paired_columns` and
   :func:`comparison_rows` fill such rows from per-seed values ``[S]``.
-* :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_client_triplet` write PNGs.
+* :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_client_triplet` write PNGs;
+  :func:`machine` names the device a benchmark ran on.
 
 Host-side numpy; statistics come from :mod:`karula_jax.stats`. matplotlib (the
 ``experiments`` extra) is imported only when a figure is drawn.
@@ -18,10 +19,13 @@ import csv
 import dataclasses
 import inspect
 import json
+import os
 import pathlib
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
@@ -31,6 +35,7 @@ __all__ = [
     "cli",
     "comparison_rows",
     "keyword_option",
+    "machine",
     "markdown_table",
     "mean_se_columns",
     "paired_columns",
@@ -216,6 +221,18 @@ def publish(text: str, out: pathlib.Path, *, quick: bool) -> None:
     print(text)
     if not quick:
         out.write_text(text + "\n")
+
+
+def machine() -> str:
+    """The device a benchmark ran on, for its table's header."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        load = os.getloadavg()[0]
+        return (
+            f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
+            f"average {load:.1f} at the end), no GPU"
+        )
+    return f"{dev.device_kind} ({dev.platform}), host with {os.cpu_count()} CPU cores"
 
 
 def write_json(obj: Any, path: pathlib.Path) -> None:

@@ -18,6 +18,7 @@ from karula_jax.protocol import (
     compare,
     cross_validate,
     cv_datasets,
+    default_rates,
     member_dissimilarities,
     method_suite,
     scalar_grid,
@@ -279,3 +280,28 @@ def test_cluster_labels_stack_each_members_clusters():
         want = A.cluster_clients(np.stack([D, D[::-1, ::-1]])[b], 2)
         np.testing.assert_array_equal(labels[b, 1], want)
     assert labels[0, 1, 0] == labels[0, 1, 1] != labels[0, 1, 2] == labels[0, 1, 3]
+
+
+@pytest.mark.parametrize("estimate", [False, True])
+def test_default_rates_from_the_clients_hessians(estimate):
+    """FedAvg's 1 / max L_i and Local's n / max alpha_i L_i against numpy eigenvalues of the
+    ridge Hessians (exact constants, or power iteration times 2 when the loss has none);
+    Karula's equals what ``karula(learning_rate=None)`` picks at init."""
+    sizes = [9, 30, 4, 17, 12]
+    data = _data(3, sizes, dim=3)
+    loss = ridge_loss(0.1)
+    if estimate:  # hide the closed form: the power iteration (times 2) is used
+        loss = lambda p, x, y, m, f=loss: f(p, x, y, m)  # noqa: E731
+    params, key = jnp.zeros(3), jax.random.key(0)
+    rates = default_rates(loss, params, data, 2, key=key)
+    xs = [np.asarray(data.x[i, :m], np.float64) for i, m in enumerate(sizes)]
+    L = np.array([np.linalg.eigvalsh(x.T @ x / len(x)).max() + 0.1 for x in xs])
+    L = 2 * L if estimate else L
+    alpha = np.array(sizes) * len(sizes) / sum(sizes)
+    np.testing.assert_allclose(rates["fedavg"], 1 / L.max(), rtol=1e-3)
+    np.testing.assert_allclose(rates["local"], len(sizes) / np.max(alpha * L), rtol=1e-3)
+    D = np.ones((5, 5)) - np.eye(5)
+    alg = A.karula(loss, D, t=0.5, clients_per_round=2, batch_size=64)
+    eta = alg.init(params, data, key=key).extra.learning_rate
+    # (the estimate's random start differs from init's: 1e-4 apart)
+    np.testing.assert_allclose(rates["karula"], float(eta), rtol=1e-3 if estimate else 1e-6)
