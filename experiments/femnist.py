@@ -34,9 +34,8 @@ TUNING_SEED = 10_000  # the writer draw on which the CV grids are decided
 class Config:
     """One FEMNIST run.
 
-    Command: ``python -m experiments.femnist [--data-dir PATH] [--rounds R] [--seeds S]
-    [--quick] [--rate-scale X] [--rates default] [--t T] [--invert] [--out DIR]
-    [--tag NAME]``; the configurations of ``results/femnist/`` are the defaults (the
+    Command: ``python -m experiments.femnist [--data-dir PATH] [--FIELD VALUE ...]
+    [--quick] [--out DIR] [--tag NAME]``; ``results/femnist/`` holds the defaults (the
     paper's rates on LEAF's pixels), ``--invert --rate-scale 10 --tag invert_x10`` and
     ``--invert --rates default --tag invert_default``.
 
@@ -155,13 +154,8 @@ def _member_kwargs(cfg: Config, model, train: ClientData, keys, params) -> dict:
     labels = protocol.cluster_labels(D, cfg.cluster_grid)
     rates = library_rates(cfg, train.counts)
     if cfg.rates == "default":  # params [B, ...]: each data set's initial model
-        at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
-        loss, s = models.cross_entropy_loss(model.apply), cfg.clients_per_round
-        steps = [
-            protocol.default_rates(loss, at(params, b), at(train, b), s, key=keys[b])
-            for b in range(len(keys))
-        ]
-        rates = {k: np.array([r[k] for r in steps]) for k in rates}
+        loss = models.cross_entropy_loss(model.apply)
+        rates = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
     rates = {k: jnp.asarray(v, jnp.float32) for k, v in rates.items()}
     kw = dict(D=D, rates=rates, clusters=clusters, labels=labels)
     return kw, bool(np.all(info.converged))

@@ -56,6 +56,7 @@ __all__ = [
     "compare",
     "cross_validate",
     "cv_datasets",
+    "member_default_rates",
     "member_dissimilarities",
     "default_rates",
     "method_suite",
@@ -227,6 +228,17 @@ def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int
     karula = A.karula_learning_rate(L_i, alpha, clients_per_round)
     n = data.num_clients
     return {"karula": float(karula), "local": n / a.max(), "fedavg": 1.0 / float(L_i.max())}
+
+
+def member_default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int, keys):
+    """:func:`default_rates` of every member: ``params``, ``data`` and ``keys`` carry a
+    leading member axis ``[B]``; returns ``{name: float64 array [B]}``."""
+    at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+    rates = [
+        default_rates(loss, at(params, b), at(data, b), clients_per_round, key=keys[b])
+        for b in range(len(keys))
+    ]
+    return {k: np.array([r[k] for r in rates]) for k in rates[0]}
 
 
 def smoothness_constants(

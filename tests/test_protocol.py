@@ -19,6 +19,7 @@ from karula_jax.protocol import (
     cross_validate,
     cv_datasets,
     default_rates,
+    member_default_rates,
     member_dissimilarities,
     method_suite,
     scalar_grid,
@@ -305,3 +306,10 @@ def test_default_rates_from_the_clients_hessians(estimate):
     eta = alg.init(params, data, key=key).extra.learning_rate
     # (the estimate's random start differs from init's: 1e-4 apart)
     np.testing.assert_allclose(rates["karula"], float(eta), rtol=1e-3 if estimate else 1e-6)
+    # per member: two members, the second with other data, each its own rates
+    other = _data(4, sizes, dim=3)
+    both = stack_datasets([data, other])
+    stacked = member_default_rates(loss, jnp.zeros((2, 3)), both, 2, jax.random.split(key))
+    second = default_rates(loss, params, other, 2, key=jax.random.split(key)[1])
+    for name in ("karula", "local", "fedavg"):
+        np.testing.assert_allclose(stacked[name][1], second[name], rtol=1e-6)
