@@ -24,13 +24,12 @@ from karula_jax.training import progress_bar
 class ScaleConfig:
     """FEMNIST-shaped rounds of FedAvg and Karula (default projection) for growing n.
 
-    Command: ``python -m experiments.bench_scale`` writes ``results/bench/scale.md``
-    (``--out`` elsewhere, e.g. a GPU's table); ``--sizes 30,100`` picks the n;
-    ``--quick`` prints n = 30, 100 only (about 1 min).
+    Command: ``python -m experiments.bench_scale [--FIELD VALUE ...] [--out FILE]`` writes
+    ``results/bench/scale.md``; ``--quick`` prints n = 30, 100 only (about 1 min).
 
-    Expected: on 2 CPU cores about 15 min, a Karula round within 2x a FedAvg round up to
-    n = 1000 and 3x at n = 3000, state within 1.2x of the minimum, compile under 15 s;
-    on one H100 about 3 min.
+    Expected: 3 min on 2 CPU cores or one H100. Karula 1.7-2.2x a FedAvg round from n = 300
+    on (CPU); at the stress t and n <= 100 the projection solver makes it 3-4x (CPU), 8-15x
+    (H100). State within 1.2x of the minimum, compile under 6 s (CPU).
 
     Attributes:
       sizes: numbers of clients n; s = n / 10 participate in a round.
@@ -40,8 +39,7 @@ class ScaleConfig:
         from ``large`` on, after one warm-up round; methods take turns round by round.
       batch_size, local_steps, karula_lr, fedavg_lr: B, FedAvg's E and the step sizes.
       projection_method: Karula's ``projection_method``.
-      rows: each client holds 150-210 rows (784 normal features, labels 0..9); the
-        784-100-10 MLP, output layer personalized; D uniform in [0.5, 1.5].
+      (data: ``bench_rounds.make_problem``, output layer personalized.)
     """
 
     sizes: tuple[int, ...] = (30, 100, 300, 1000, 3000)
@@ -108,12 +106,14 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
         if name != "FedAvg":  # the same round with the projection replaced by the identity
             with mock.patch.object(projection, "project", identity_projection):
                 fns[name + " bare"], _ = compiled_round(alg, states[name], data)
-            states[name + " bare"] = jax.tree.map(jnp.copy, states[name])
     rounds = cfg.rounds if n < cfg.large else cfg.rounds_large
     times = {k: [] for k in fns}
     infos = {k: [] for k in algs}
     for r in range(rounds + 1):  # round 0 warms up; methods take turns
         for name, fn in fns.items():
+            base = name.removesuffix(" bare")
+            if name != base:  # from a copy of the method's state (the call consumes it)
+                states[name] = jax.block_until_ready(jax.tree.map(jnp.copy, states[base]))
             t0 = time.perf_counter()
             states[name], info = jax.block_until_ready(fn(states[name], data))
             if r > 0:
