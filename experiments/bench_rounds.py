@@ -14,7 +14,7 @@ import numpy as np
 from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection, training
-from karula_jax.data import client_weights, from_client_arrays
+from karula_jax.data import client_weights, random_classification
 from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
 from karula_jax.reporting import cli, machine
 
@@ -59,14 +59,10 @@ QUICK = RoundsConfig(rounds=10, eager_rounds=1, t_values=(1e-4,))
 
 def make_problem(n: int, seed: int = 0):
     """(data, params, loss, D): n FEMNIST-shaped random clients, the MLP, D in [0.5, 1.5]."""
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(150, 211, size=n)
-    xs = [rng.normal(size=(c, 784)).astype(np.float32) for c in counts]
-    data = from_client_arrays(xs, [rng.integers(0, 10, size=c) for c in counts], num_classes=10)
     model = mlp(100, 10)
     params = init_params(model, jax.random.PRNGKey(seed), (1, 784))
-    d = np.triu(rng.uniform(0.5, 1.5, size=(n, n)), 1)
-    return data, params, cross_entropy_loss(model.apply), d + d.T
+    d = np.triu(np.random.default_rng(seed + 1).uniform(0.5, 1.5, size=(n, n)), 1)
+    return random_classification(n, seed=seed), params, cross_entropy_loss(model.apply), d + d.T
 
 
 def eager_round(state, *, data, cfg, grad_fn, project, radii):
@@ -113,12 +109,6 @@ def fastest(steps, state, reps: int):
     return best, states
 
 
-def identity_projection(v, radii_sq, *, warm_start=None, **kwargs):
-    """``projection.project`` minus the projection (returns ``v``), for the ablation."""
-    zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-    return v, projection.ProjectionInfo(none, zero, zero, zero, zero, jnp.array(True), warm_start)
-
-
 def loop_columns(cfg, alg, problem, project, radii, rate) -> str:
     """Eager and loop+jit rounds of ``alg``, speed-ups, and their difference to ``alg``."""
     data, params, loss, _ = problem
@@ -141,7 +131,7 @@ def share_columns(cfg, alg, data, res) -> str:
     """The same compiled chunk of rounds with and without the projection; its statistics."""
     chunk = functools.partial(training.scan_rounds, alg, data=data, num_rounds=cfg.chunk)
     full = jax.jit(chunk).lower(res.state).compile()
-    with mock.patch.object(projection, "project", identity_projection):
+    with mock.patch.object(projection, "project", projection.no_projection):
         bare = jax.jit(lambda st: chunk(st)).lower(res.state).compile()
     times, _ = fastest([lambda st: full(st)[0], lambda st: bare(st)[0]], res.state, 10)
     full_ms, bare_ms = (1e3 * s / cfg.chunk for s in times)

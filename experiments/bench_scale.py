@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_rounds import identity_projection, make_problem
 from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection
-from karula_jax.models import output_layer_mask
+from karula_jax.data import random_classification
+from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
 from karula_jax.reporting import cli, machine
 from karula_jax.training import progress_bar
 
@@ -39,7 +39,7 @@ class ScaleConfig:
         from ``large`` on, after one warm-up round; methods take turns round by round.
       batch_size, local_steps, karula_lr, fedavg_lr: B, FedAvg's E and the step sizes.
       projection_method: Karula's ``projection_method``.
-      (data: ``bench_rounds.make_problem``, output layer personalized.)
+      (data: ``karula_jax.data.random_classification``, D uniform in [0.5, 1.5].)
     """
 
     sizes: tuple[int, ...] = (30, 100, 300, 1000, 3000)
@@ -83,7 +83,13 @@ def compiled_round(alg, state, data):
 
 
 def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
-    data, params, loss, D = make_problem(n)
+    data, model = random_classification(n, seed=0), mlp(100, 10)
+    params, loss = (
+        init_params(model, jax.random.PRNGKey(0), (1, 784)),
+        cross_entropy_loss(model.apply),
+    )
+    D = np.triu(np.random.default_rng(1).uniform(0.5, 1.5, size=(n, n)), 1)
+    D = D + D.T
     pers = output_layer_mask(params)
     kw = dict(clients_per_round=max(1, n // 10), batch_size=cfg.batch_size)
     algs = {
@@ -104,7 +110,7 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
         states[name] = jax.block_until_ready(alg.init(params, data, key=jax.random.PRNGKey(0)))
         fns[name], compile_s[name] = compiled_round(alg, states[name], data)
         if name != "FedAvg":  # the same round with the projection replaced by the identity
-            with mock.patch.object(projection, "project", identity_projection):
+            with mock.patch.object(projection, "project", projection.no_projection):
                 fns[name + " bare"], _ = compiled_round(alg, states[name], data)
     rounds = cfg.rounds if n < cfg.large else cfg.rounds_large
     times = {k: [] for k in fns}

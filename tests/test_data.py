@@ -84,3 +84,28 @@ def test_synthetic_rejects_negative_spreads():
     for name in ("noise_std", "theta_std", "feature_mean_std", "group_feature_std"):
         with pytest.raises(ValueError, match=name):
             synthetic_ridge(0, **{name: -0.1})
+
+
+def test_random_classification_shapes_and_bad_sizes():
+    """FEMNIST shapes by default, counts within ``rows``, labels within the classes, the
+    same clients for the same seed; bad sizes are refused by name."""
+    from karula_jax.data import random_classification
+
+    data = random_classification(7, seed=3)
+    counts = np.asarray(data.counts)
+    assert data.x.shape[0] == 7 and data.x.shape[2] == 784
+    assert np.all((counts >= 150) & (counts <= 210)) and data.x.shape[1] == counts.max()
+    y = np.asarray(data.y)[np.asarray(data.mask)]
+    assert y.min() >= 0 and y.max() <= 9
+    again = random_classification(7, seed=3)
+    np.testing.assert_array_equal(np.asarray(again.x), np.asarray(data.x))
+    one = random_classification(1, rows=(2, 2), features=3, num_classes=2)
+    assert one.x.shape == (1, 2, 3) and int(one.counts[0]) == 2
+    for kwargs, name in [
+        (dict(num_clients=0), "num_clients"),
+        (dict(num_clients=2, features=0), "features"),
+        (dict(num_clients=2, num_classes=0), "num_classes"),
+        (dict(num_clients=2, rows=(5, 3)), "rows"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            random_classification(**kwargs)

@@ -367,3 +367,14 @@ def test_large_n_auto_matches_dykstra(n, p, tol_d):
     assert np.linalg.norm(np.asarray(th_a) - v) > 0.1 * np.sqrt(scale)  # it did project
     lam = np.asarray(info_a.state.lam)
     assert 0 < np.count_nonzero(lam) < lam.size / 4  # most pairs inactive
+
+
+def test_no_projection_returns_v_and_the_warm_start():
+    """The ablation stand-in: ``v`` unchanged, zero report, the warm start passed through,
+    also under jit."""
+    v = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones((3, 4))}
+    warm = proj.init_projection_state(v)
+    out, info = jax.jit(lambda v, w: proj.no_projection(v, jnp.ones((3, 3)), warm_start=w))(v, warm)
+    chex.assert_trees_all_equal(out, v)
+    chex.assert_trees_all_equal(info.state, warm)
+    assert int(info.iterations) == 0 and float(info.delta) == 0.0 and bool(info.converged)

@@ -43,8 +43,13 @@ How it is solved (all inside one compiled program):
 
 Screening: before any solver, one Gram product with a rigorous rounding margin checks
 whether every constraint already holds; then ``v`` is returned as is with ``lam = 0`` and
-``delta = 0`` (exact: a feasible ``v`` is its own projection). The Laplacian solver also
-rotates onto the span of the models when ``p >= 2n``.
+``delta = 0`` (exact: a feasible ``v`` is its own projection). Else, when the largest
+shrink toward the mean that provably meets every constraint, ``beta``, is within
+``(1 - beta)^2 <= tol`` of 1, that shrink is returned with ``delta = (1 - beta)^2 S`` (the
+dual bound at ``lam = 0`` is 0): the case of a round that moved the models a little from
+the last projection, whose active pairs sit at their radius. The solvers rotate onto the
+span of the models (Householder QR) when ``p >= 2n`` (Laplacian) or ``p > n`` (Dykstra).
+Matrix products run at full float32 precision (not TF32, a GPU's default).
 
 Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 40`` and its state
 ``n(n-1)/2 * p`` is at most ``2**20`` floats, else the Laplacian dual
@@ -71,6 +76,7 @@ from karula_jax.projection.api import (
     ProjectionState,
     choose_method,
     init_projection_state,
+    no_projection,
     project,
 )
 from karula_jax.projection.dykstra import pair_kernel
@@ -81,6 +87,7 @@ __all__ = [
     "ProjectionState",
     "choose_method",
     "init_projection_state",
+    "no_projection",
     "pair_kernel",
     "project",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "ProjectionState",
     "choose_method",
     "init_projection_state",
+    "no_projection",
     "project",
 ]
 
@@ -369,6 +370,22 @@ def init_projection_state(v, radii_sq=None, *, personalized=None, method="auto")
         method = choose_method(n, p)
     m = n * (n - 1) // 2 if method == "dykstra" else 0
     return ProjectionState(lam=jnp.zeros((n, n), dtype), pair_dual=jnp.zeros((m, p), dtype))
+
+
+def no_projection(v, radii_sq=None, *, warm_start=None, **options):
+    """``v`` itself, with :func:`project`'s signature and a report of zeros.
+
+    For ablations: patched in for :func:`project` (e.g. ``unittest.mock.patch.object(
+    karula_jax.projection, "project", no_projection)`` while a round is traced) it gives the
+    same round without its projection, to time the projection's share.
+
+    Returns:
+      ``(v, info)``: ``info`` with zero iterations, violation and gap, ``converged`` True
+      and ``state`` the given ``warm_start``.
+    """
+    del radii_sq, options
+    zero = jnp.zeros((), jnp.float32)
+    return v, ProjectionInfo(jnp.int32(0), zero, zero, zero, zero, jnp.array(True), warm_start)
 
 
 def project(
