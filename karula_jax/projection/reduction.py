@@ -70,8 +70,8 @@ def _span_basis(a):
 
     Householder QR of ``a^T``: ``Q`` is orthonormal even when ``a`` is rank deficient (then
     some columns are directions no row uses, on which every row has coordinate 0), so
-    ``a @ Q`` keeps every distance. (Measured on one CPU core at p = 1010: 0.14 / 1.3 /
-    3.1 ms for n = 30 / 100 / 200, 6-10x faster than Gram-Schmidt with re-orthogonalization.)
+    ``a @ Q`` keeps every distance. (One LAPACK call: several times faster on the CPU than
+    Gram-Schmidt's ``n`` sequential steps.)
     """
     return jnp.linalg.qr(a.T)[0]
 
