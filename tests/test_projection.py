@@ -281,6 +281,28 @@ def test_auto_picks_dykstra_small_and_laplacian_large():
     assert proj.init_projection_state(v[:8]).pair_dual.shape == (28, 3)
 
 
+def test_models_far_inside_their_radii_come_back_as_is():
+    """The triangle screen: when ``(|v_i - mean| + |v_j - mean|)^2`` is below every squared
+    radius, ``v`` comes back exactly (float32, rows far from 0, one pair unconstrained);
+    one tight pair sends it on to the Gram screen and the solver, which still project."""
+    v, _ = _instance(13, 8, 6, "groups")
+    v = v + 100.0
+    norms = np.linalg.norm(v - v.mean(0), axis=1)
+    radii_sq = (norms[:, None] + norms[None, :]) ** 2 * 1.001
+    radii_sq[2, 5] = radii_sq[5, 2] = np.inf
+    vj = jnp.asarray(v, jnp.float32)
+    th, info = proj.project(vj, jnp.asarray(radii_sq, jnp.float32))
+    np.testing.assert_array_equal(th, vj)
+    assert int(info.iterations) == 0 and float(info.delta) == 0.0
+    d2 = ((v[:, None] - v[None]) ** 2).sum(-1)
+    radii_sq[0, 1] = radii_sq[1, 0] = 0.8 * d2[0, 1]  # now one pair is violated
+    with jax.enable_x64(True):
+        ref, _ = cvxpy_projection(v, radii_sq)
+        th, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), tol=1e-12)
+    assert int(info.iterations) > 0 and bool(info.converged)
+    np.testing.assert_allclose(th, ref, atol=1e-5 * np.abs(ref).max())
+
+
 def test_feasible_input_is_returned_as_is():
     """Screening: a point that meets every constraint is its own projection (lam = 0),
     also with a nonzero warm start; one pair just outside sends it to the solver."""

@@ -105,7 +105,8 @@ class _Screen(NamedTuple):
 
 
 def _screen(x, radii_sq) -> _Screen:
-    """Screens ``x`` [n, p] against ``radii_sq`` by one Gram product.
+    """Screens ``x`` [n, p] against ``radii_sq`` by one Gram product (none when the
+    triangle inequality on the centred rows' norms already settles every pair).
 
     The squared distances of the centred rows carry a rounding error below
     ``(p + 4) eps (|x_i|^2 + |x_j|^2)`` (dot products of length ``p``; the centring adds
@@ -123,12 +124,22 @@ def _screen(x, radii_sq) -> _Screen:
     """
     n, p = x.shape
     eps = jnp.finfo(x.dtype).eps
+    margin = 4.0 * (p + 4) * eps
     xc = x - client_mean(x)
     sq = jnp.sum(xc * xc, axis=1)
-    both = sq[:, None] + sq[None, :]
-    upper = both - 2.0 * (xc @ xc.T) + 4.0 * (p + 4) * eps * both
     r2 = radii_sq.astype(x.dtype) * (1.0 - 8.0 * eps)
     constrained = ~jnp.eye(n, dtype=bool) & ~jnp.isposinf(r2)
+    # First the triangle inequality, O(n p): |x_i - x_j| <= |xc_i| + |xc_j|. When it
+    # settles every pair (models far inside their radii) the Gram product is skipped.
+    norms = jnp.sqrt(sq)
+    triangle = (norms[:, None] + norms[None, :]) ** 2 * (1.0 + margin)
+
+    def gram():
+        both = sq[:, None] + sq[None, :]
+        return both - 2.0 * (xc @ xc.T) + margin * both
+
+    far = jnp.all((triangle <= r2) | ~constrained)
+    upper = jax.lax.cond(far, lambda: triangle, gram)
     as_is = jnp.all((upper <= r2) | ~constrained)
     ratio = jnp.where(constrained & (upper > 0), r2 / jnp.where(upper > 0, upper, 1.0), 1.0)
     beta = jnp.sqrt(jnp.clip(jnp.min(ratio), 0.0, 1.0))
