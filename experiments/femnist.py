@@ -118,6 +118,8 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     steps = dict(local=pick("local"), fedavg=pick("fedavg"), ifca=pick("fedavg"))
     steps |= dict(karula=pick("karula"), ditto_personal=pick("fedavg"))
     steps["penalty_mu"] = lambda rates, mu, **_: mu / rates["karula"]
+    if cfg.rates == "default":  # Karula's own rule, with the coupling of its t and D
+        steps |= dict(karula=lambda **_: None, penalty=pick("karula"))
     grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t, "FedProx": cfg.fedprox_grid}
     grids |= {"Ditto": cfg.ditto_grid, "Laplacian penalty on D": cfg.penalty_grid}
     grids |= {"Clustered FedAvg on D": cfg.cluster_grid}

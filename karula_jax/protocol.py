@@ -213,7 +213,9 @@ def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int
     iteration with Hessian-vector products at ``params``, times 2). With
     ``a_i = alpha_i L_i``:
 
-    * ``karula``: :func:`karula_jax.algorithms.karula_learning_rate` (Karula's default);
+    * ``karula``: :func:`karula_jax.algorithms.karula_learning_rate` without coupling,
+      Karula's default at ``t = inf`` (``karula(learning_rate=None)`` adds the coupling
+      of its ``t`` and ``D``, which this function does not know);
     * ``local``: ``n / max_i a_i``, half the limit of the steps ``eta a_i / n`` of
       :func:`karula_jax.algorithms.local` (as Karula's rule with ``s = n``);
     * ``fedavg``: ``1 / max_i L_i``, half the gradient-descent limit on the worst client's
@@ -347,9 +349,10 @@ def method_suite(
     initial cluster models) and its grid point, and takes its step sizes from ``rates``:
     ``rates[name](**member_kwargs, **point)`` for the names ``local``, ``fedsgd``,
     ``fedavg`` (also FedProx, SCAFFOLD, the clustered FedAvg and Ditto's global model),
-    ``ifca``, ``pfedme`` and ``pfedme_personal``, ``karula`` (also the Laplacian
-    penalty), ``ditto_personal`` and ``penalty_mu`` (the penalty's ``mu``). Only the rates
-    of the methods in ``names`` are needed.
+    ``ifca``, ``pfedme`` and ``pfedme_personal``, ``karula`` (``None``: Karula's own
+    rule at its ``t`` and ``D``), ``penalty`` (the Laplacian penalty's step; ``karula``'s
+    when absent), ``ditto_personal`` and ``penalty_mu`` (the penalty's ``mu``). Only the
+    rates of the methods in ``names`` are needed.
 
     Args:
       loss: the loss of every method.
@@ -414,7 +417,7 @@ def method_suite(
             loss,
             m["D"],
             mu=r("penalty_mu", m),
-            learning_rate=r("karula", m),
+            learning_rate=r("penalty" if "penalty" in rates else "karula", m),
             personalized=personalized,
             **common,
         ),

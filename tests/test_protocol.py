@@ -287,7 +287,7 @@ def test_cluster_labels_stack_each_members_clusters():
 def test_default_rates_from_the_clients_hessians(estimate):
     """FedAvg's 1 / max L_i and Local's n / max alpha_i L_i against numpy eigenvalues of the
     ridge Hessians (exact constants, or power iteration times 2 when the loss has none);
-    Karula's equals what ``karula(learning_rate=None)`` picks at init."""
+    Karula's equals what ``karula(learning_rate=None)`` picks at init at ``t = inf``."""
     sizes = [9, 30, 4, 17, 12]
     data = _data(3, sizes, dim=3)
     loss = ridge_loss(0.1)
@@ -302,7 +302,7 @@ def test_default_rates_from_the_clients_hessians(estimate):
     np.testing.assert_allclose(rates["fedavg"], 1 / L.max(), rtol=1e-3)
     np.testing.assert_allclose(rates["local"], len(sizes) / np.max(alpha * L), rtol=1e-3)
     D = np.ones((5, 5)) - np.eye(5)
-    alg = A.karula(loss, D, t=0.5, clients_per_round=2, batch_size=64)
+    alg = A.karula(loss, D, t=jnp.inf, clients_per_round=2, batch_size=64)  # no coupling
     eta = alg.init(params, data, key=key).extra.learning_rate
     # (the estimate's random start differs from init's: 1e-4 apart)
     np.testing.assert_allclose(rates["karula"], float(eta), rtol=1e-3 if estimate else 1e-6)

@@ -53,7 +53,9 @@ from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
 from karula_jax.algorithms.scaffold import scaffold
 from karula_jax.algorithms.step_size import (
     client_smoothness,
+    coupling,
     karula_learning_rate,
+    local_optima,
     smoothness_estimate,
     stability_factor,
 )
@@ -70,6 +72,7 @@ __all__ = [
     "client_smoothness",
     "cluster_clients",
     "clustered_fedavg",
+    "coupling",
     "ditto",
     "fedavg",
     "fedprox",
@@ -85,6 +88,7 @@ __all__ = [
     "lipschitz_logistic",
     "lipschitz_ridge",
     "local",
+    "local_optima",
     "pfedme",
     "radii_squared",
     "sample_participants",

@@ -24,7 +24,9 @@ from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.step_size import (
     check_smoothness,
     client_smoothness,
+    coupling,
     karula_learning_rate,
+    local_optima,
 )
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
@@ -108,11 +110,14 @@ def karula(
     512). The rule (:func:`karula_learning_rate`)::
 
         c(p)   = 4 / ((2 - p) (1 + sqrt(1 + 8 (1 - p) / (2 - p))))   in [0.618, 2]
-        eta    = s c(p) / (2 L_max)                                  some radius > 0
-        eta    = n b(n, s) / (2 L_F(s))                              every radius 0
+        free   = s c(p) / (2 L_max)
+        tied   = max(n b(n, s) / (2 L_F(s)), free)
         L_F(s) = (n (s - 1) Lbar + (n - s) L_max) / (s (n - 1))      (Lbar if s = n)
+        eta    = tied                                                every radius 0
+        eta    = min(tied, free / (1 - kappa))  (tied if kappa >= 1) else
 
-    With ``s = n``: ``1 / L`` and ``n / Lbar``. For n = 30, s = 10 the first is
+    with ``kappa`` the coupling of the constraints at this ``t`` (case 3). With
+    ``s = n``: ``free = 1 / L`` and ``tied = n / Lbar``. For n = 30, s = 10, ``free`` is
     ``0.35 * 3/(8L)``.
 
     Derivation. Karula is minibatch SAGA on the product space, ``f = (1/n) sum_i F_i``
@@ -122,8 +127,7 @@ def karula(
     is ``L_max / s`` here, as the blocks are separate: a fresh gradient weighs ``1/s``,
     not ``1/n``, and the memory ``m_i / n`` acts every round.
 
-    1. Some radius > 0. The rule assumes the worst case it knows, uncoupled clients
-       (``t = inf``), each on its own. Along an eigenvector of a quadratic ``f_i``
+    1. Uncoupled clients (``t = inf``). Along an eigenvector of a quadratic ``f_i``
        (curvature ``a = a_i``), with ``m_i = a phi`` (``phi``: where client ``i`` was
        last sampled), a round is ``theta <- theta - (eta a / n) phi`` with
        probability ``1 - p`` and ``theta <- (1 - eta a / s) theta +
@@ -131,8 +135,8 @@ def karula(
        moments of ``(theta, phi)`` follow a linear recursion whose spectral radius
        reaches 1 where
        ``(2 - p)(1 - p) c^2 + (2 - p) c - 2 = 0``, ``c = eta a / s``: mean-square stable
-       iff ``eta a_i < s c(p)`` for every ``i``, i.e. ``eta < c(p) / (L_max / s)``. The
-       rule takes half, like ``1 / L`` for gradient descent (``c(1) = 2``); at
+       iff ``eta a_i < s c(p)`` for every ``i``, i.e. ``eta < c(p) / (L_max / s)``.
+       ``free`` takes half, like ``1 / L`` for gradient descent (``c(1) = 2``); at
        ``s = 1`` it is 0.31 to 0.35 over ``L_max``, near SAGA's ``1 / (3 L_max)``.
     2. Every radius 0 (``t = 0`` or ``D = 0``). The projection is the mean: Karula is
        FedSGD with SAGA memory at step ``eta / n`` on ``F(w) = (1/n) sum_i alpha_i
@@ -140,27 +144,49 @@ def karula(
        the smoothness of ``F``). For ``n`` identical quadratic clients the same
        second-moment recursion (4 moments by symmetry) is stable iff
        ``(eta / n) a < b(n, s)`` (:func:`consensus_stability_factor`, from 1 at
-       ``s = 1`` to 2 at ``s = n``); the rule takes half. It is never below case 1.
+       ``s = 1`` to 2 at ``s = n``); ``tied`` takes half. It is never below case 1.
+    3. Between. The set ``K`` is invariant under moving every client by the same
+       vector, so the projection keeps the client mean: the mean follows case 2 at
+       every ``t`` (never a larger step than ``tied``), and the differences are
+       bounded by the radii. Near a solution with multipliers ``Lambda`` (KKT:
+       ``grad f(theta) + (L_Lambda x I) theta = 0``, ``L_Lambda`` the Laplacian of the
+       pair multipliers) the projection of ``theta - eta grad f`` has multipliers
+       ``eta Lambda`` and acts on a perturbation ``e`` as the implicit step
+       ``(I + eta L_Lambda)^-1``: a round is ``e <- (I + eta L_Lambda)^-1 (I - eta H) e``.
+       With ``H = h I``, along an eigenvector of ``L_Lambda`` with eigenvalue ``mu``
+       the factor is ``|1 - eta h| / (1 + eta mu)``, below 1 iff ``eta (h - mu) < 2``.
+       The least damped direction besides the mean has ``mu = mu_2``, the algebraic
+       connectivity, so the limit ``2 / h`` of case 1 becomes ``2 / (h (1 - kappa))``
+       with ``kappa = mu_2 / h``, and for ``kappa >= 1`` only the mean's limit (case 2)
+       is left. The rule applies this factor to ``free`` and caps it at ``tied``.
+       ``kappa`` comes from a pilot (:func:`~karula_jax.algorithms.coupling`): for
+       ``F_i = (h / 2) ||theta_i - theta_i°||^2`` the solution is the Euclidean
+       projection onto ``K`` of the local optima ``theta°``, whose multipliers are
+       ``Lambda / h``; so ``kappa`` is the algebraic connectivity of the multipliers of
+       projecting approximate local optima (:func:`~karula_jax.algorithms.local_optima`:
+       20 full-batch gradient steps at ``1 / L_i`` from ``params``; fewer steps
+       underestimate the clients' separation, hence ``kappa``). It assumes one
+       curvature for every client and multipliers at the solution like the pilot's,
+       and uses case 1's sampled limit for ``free``: a model, checked by the runs
+       below, not a bound. Shared leaves (``personalized``) are tied as in case 2;
+       with no personalized leaf the rule is ``tied``.
 
     The factor 1/2 leaves room for curvature that changes along the run, minibatch
     noise (``B < N_i`` adds a noise floor, not instability) and errors in ``L_i``.
-    Between the cases the projection ties clients only through active constraints,
-    which damp each client's own dynamics (a point pushed outside a ball of radius
-    ``r`` by a step ``g`` lands on its sphere with its tangential motion scaled by
-    about ``r / (r + g)``); the rule cannot see which are active, so it uses case 1
-    for every ``t > 0`` (also for shared leaves, which are tied as at ``t = 0``).
     Measured on 6 ridge and logistic clients (``tests/test_step_size.py``, 300 rounds,
-    s in {1, 2, 6}): the default never diverged, and the largest constant step that
-    still converged was 1.4 to 2.8 times the default at ``t = 0`` and ``t = inf``, up
-    to 5.7 times at a middle ``t`` (about half the pair constraints active) and up to
-    16 times at a small ``t``.
+    s in {1, 2, 6}, t in {0, 0.05, 0.5, inf}, where 0.05 leaves most pair constraints
+    active at the optimum and 0.5 about half): the default always converged (except
+    s = 1 at t = inf, still converging after 300 rounds), and the largest constant
+    step that converged was 1.4 to 2.8 times the default at every t (without case 3,
+    up to 5.7 times at t = 0.5 and 16 times at t = 0.05).
 
     ``L_i`` (``smoothness``): ``None`` takes ``loss.smoothness(data)`` when the loss has
     it (:func:`karula_jax.models.ridge_loss` and ``logistic_loss`` do, exactly from the
     data), else :func:`smoothness_estimate` at ``params`` (power iteration with
     Hessian-vector products on each client's full data, 20 steps, times 2). ``init``
-    computes the step from the data and stores it in ``state.extra.learning_rate``,
-    which ``round`` uses.
+    computes the step from the data (the pilot costs 20 full-batch gradients per client,
+    one projection and one ``n x n`` eigendecomposition) and stores it in
+    ``state.extra.learning_rate``, which ``round`` uses.
 
     Args:
       loss: ``loss(params, x, y, mask) -> scalar``, mean over the masked rows.
@@ -265,6 +291,20 @@ def karula(
         )
         return _with_own(v, theta), info
 
+    def _coupling(params, data, L_i):
+        """``kappa`` of the step rule: the projection of approximate local optima."""
+        own = _own(local_optima(loss, params, data, L_i))
+        if not own:  # every leaf shared: Karula is FedSGD with memory, the tied case
+            return jnp.float32(jnp.inf)
+        _, info = P.project(
+            own,
+            _radii(),
+            method=projection_method,
+            tol=projection_tol,
+            max_iter=projection_max_iter,
+        )
+        return coupling(info.state.lam, _radii())
+
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
         C.check_mask("personalized", personalized, params)
@@ -284,7 +324,9 @@ def karula(
                 loss, params, data, smoothness, key=jax.random.fold_in(key_init, 1)
             )
             consensus = jnp.all(_radii() == 0)
-            eta = karula_learning_rate(L_i, alpha, s, consensus=consensus)
+            eta = karula_learning_rate(
+                L_i, alpha, s, consensus=consensus, coupling=_coupling(params, data, L_i)
+            )
         else:
             eta = learning_rate
         return FedState(

@@ -7,7 +7,10 @@ The rule and its derivation are in the docstring of :func:`karula_jax.algorithms
   estimator on one uncoupled quadratic client, in units of ``s / (alpha_i L_i)``;
 * :func:`consensus_stability_factor` ``b(n, s)``: the same at ``t = 0``, where the
   projection is the mean (FedSGD with SAGA memory), in units of ``n / (alpha_i L_i)``;
-* :func:`karula_learning_rate`: the default step from the constants ``L_i``;
+* :func:`karula_learning_rate`: the default step from the constants ``L_i`` and the
+  coupling ``kappa``;
+* :func:`local_optima` and :func:`coupling`: ``kappa``, how strongly the constraints at
+  ``t`` damp the clients' own dynamics, from the projection of approximate local optima;
 * :func:`smoothness_estimate`: ``L_i`` of any loss by power iteration with Hessian-vector
   products (for losses without a formula; ``ridge_loss`` and ``logistic_loss`` of
   :mod:`karula_jax.models` carry theirs as ``loss.smoothness``);
@@ -34,7 +37,9 @@ from karula_jax.data.clients import ClientData
 __all__ = [
     "client_smoothness",
     "consensus_stability_factor",
+    "coupling",
     "karula_learning_rate",
+    "local_optima",
     "smoothness_estimate",
     "stability_factor",
 ]
@@ -43,6 +48,12 @@ __all__ = [
 DEFAULT_ITERATIONS = 20
 #: Factor on the power-iteration estimate (see :func:`smoothness_estimate`).
 DEFAULT_SAFETY = 2.0
+#: Gradient steps of :func:`local_optima` when ``karula`` calls it.
+PILOT_STEPS = 20
+#: :func:`coupling` counts a pair multiplier as at most this (zero radii count as it):
+#: beyond ``kappa = 1`` the step is the consensus one, so larger weights change nothing
+#: that matters, and bounded weights keep the float32 eigenvalues accurate.
+MAX_MULTIPLIER = 10.0
 
 
 def stability_factor(p):
@@ -113,22 +124,28 @@ def consensus_stability_factor(n: int, s: int) -> float:
     return lo
 
 
-def karula_learning_rate(smoothness, weights, clients_per_round: int, *, consensus=False):
+def karula_learning_rate(
+    smoothness, weights, clients_per_round: int, *, consensus=False, coupling=0.0
+):
     """Karula's default step ``eta`` from each client's smoothness constant.
 
     With ``a_i = alpha_i L_i``, ``L_max = max_i a_i``, ``Lbar = mean_i a_i``, ``p = s / n``,
-    ``c = stability_factor(p)`` and ``b = consensus_stability_factor(n, s)``::
+    ``c = stability_factor(p)``, ``b = consensus_stability_factor(n, s)`` and the
+    coupling ``kappa >= 0`` (:func:`coupling`)::
 
-        eta = s c / (2 L_max)                                     some radius > 0
-        eta = n b / (2 L_F(s)),                                   every radius 0
+        free  = s c / (2 L_max)                                   uncoupled clients
+        tied  = max(n b / (2 L_F(s)), free)                       every radius 0
         L_F(s) = (n (s - 1) Lbar + (n - s) L_max) / (s (n - 1))   (Lbar when s = n)
+        eta   = tied                                              every radius 0
+        eta   = min(tied, free / (1 - kappa))                     else (tied if kappa >= 1)
 
-    The first is half the mean-square stability limit of uncoupled clients, the worst
-    case over the radii; the second half the limit of FedSGD with SAGA memory, which is
-    what Karula is when the projection is the mean (it is never the smaller of the two).
-    With every client participating they are ``n / L_max = 1 / L``
-    (:func:`lipschitz_ridge`'s ``L``) and ``n / Lbar``. Derivation: the docstring of
-    :func:`karula_jax.algorithms.karula`.
+    ``free`` is half the mean-square stability limit of uncoupled clients, ``tied`` half
+    the limit of FedSGD with SAGA memory, which is what Karula is when the projection
+    is the mean. Active constraints damp every direction but the mean by at least
+    ``kappa`` times the curvature, which lifts the uncoupled limit by ``1 / (1 - kappa)``;
+    the mean is never damped, hence the cap. With every client participating
+    ``free = n / L_max = 1 / L`` (:func:`lipschitz_ridge`'s ``L``) and ``tied = n / Lbar``.
+    Derivation: the docstring of :func:`karula_jax.algorithms.karula`.
 
     Args:
       smoothness: ``L_i``, Lipschitz constants of ``grad f_i`` (each client's own mean
@@ -136,6 +153,7 @@ def karula_learning_rate(smoothness, weights, clients_per_round: int, *, consens
       weights: ``alpha`` of shape ``[n]``; may be traced.
       clients_per_round: ``s``, static, ``1 <= s <= n``.
       consensus: (traced) bool, True when every radius is 0 (``t = 0`` or ``D = 0``).
+      coupling: (traced) ``kappa >= 0``; 0 gives ``free`` (the step of ``t = inf``).
 
     Returns:
       ``eta``, a float32 scalar (``inf`` when every ``a_i`` is 0).
@@ -149,7 +167,72 @@ def karula_learning_rate(smoothness, weights, clients_per_round: int, *, consens
     free = s * stability_factor(s / n) / (2.0 * l_max)
     l_f = l_bar if s == n else (n * (s - 1) * l_bar + (n - s) * l_max) / (s * (n - 1))
     tied = jnp.maximum(n * consensus_stability_factor(n, s) / (2.0 * l_f), free)
-    return jnp.where(jnp.asarray(consensus), tied, free).astype(jnp.float32)
+    kappa = jnp.asarray(coupling, jnp.float32)
+    damped = jnp.where(kappa < 1.0, free / jnp.maximum(1.0 - kappa, 1e-30), jnp.inf)
+    coupled = jnp.minimum(tied, jnp.maximum(damped, free))
+    return jnp.where(jnp.asarray(consensus), tied, coupled).astype(jnp.float32)
+
+
+def local_optima(loss, params: Any, data: ClientData, smoothness, *, steps: int = PILOT_STEPS):
+    """Each client's model after ``steps`` full-batch gradient steps at ``1 / L_i``.
+
+    Client ``i`` starts from ``params`` and descends its own mean loss ``f_i`` over all
+    its real rows, ``theta <- theta - grad f_i(theta) / L_i`` (a client with
+    ``L_i = 0`` stays). This is gradient descent at the step that decreases ``f_i``
+    monotonically; along curvature near ``L_i`` it reaches the local optimum in a few
+    steps, along flat directions it falls short (so the separation of the clients,
+    and the :func:`coupling` computed from it, is underestimated, not overestimated).
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``.
+      params: ONE model (no client axis).
+      data: the clients' data.
+      smoothness: ``L_i``, shape ``[n]`` (or a scalar), ``>= 0``.
+      steps: number of gradient steps (static, ``>= 0``).
+
+    Returns:
+      The clients' models, leaves ``[n, ...]``.
+    """
+    n = data.num_clients
+    L = jnp.broadcast_to(jnp.asarray(smoothness, jnp.float32), (n,))
+    inv = jnp.where(L > 0, 1.0 / jnp.where(L > 0, L, 1.0), 0.0)
+    theta = C.broadcast(params, n)
+    grad = jax.vmap(jax.grad(loss))
+
+    def step(th, _):
+        g = grad(th, data.x, data.y, data.mask)
+        return jax.tree.map(lambda a, b: a - C.scale_rows(inv, b), th, g), None
+
+    return lax.scan(step, theta, None, length=steps)[0]
+
+
+def coupling(lam, radii_sq) -> jnp.ndarray:
+    """``kappa``: the algebraic connectivity of the projection's multiplier graph.
+
+    ``lam`` are the pair multipliers of a projection onto ``||theta_i - theta_j||^2 <=
+    radii_sq[i, j]`` (``ProjectionState.lam``; KKT ``theta - v + L_lam theta = 0``).
+    Weights ``min(lam_ij, MAX_MULTIPLIER)``, and ``MAX_MULTIPLIER`` where the radius is
+    0 (pairs tied exactly, which the projection merges); ``kappa`` is the second
+    smallest eigenvalue of this graph's Laplacian (0 when the graph is disconnected or
+    ``n = 1``). Projecting the clients' local optima, ``lam`` is the solution's
+    multipliers in units of the clients' curvature (see ``karula``'s docstring).
+
+    Args:
+      lam: ``[n, n]`` nonnegative pair multipliers, symmetric.
+      radii_sq: ``[n, n]`` squared radii (``inf`` allowed).
+
+    Returns:
+      ``kappa >= 0``, a float32 scalar.
+    """
+    lam = jnp.asarray(lam, jnp.float32)
+    n = lam.shape[0]
+    if n < 2:
+        return jnp.zeros((), jnp.float32)
+    off = ~jnp.eye(n, dtype=bool)
+    w = jnp.where(jnp.asarray(radii_sq) == 0, MAX_MULTIPLIER, jnp.clip(lam, 0.0, MAX_MULTIPLIER))
+    w = jnp.where(off, 0.5 * (w + w.T), 0.0)
+    laplacian = jnp.diag(jnp.sum(w, axis=1)) - w
+    return jnp.maximum(jnp.linalg.eigvalsh(laplacian)[1], 0.0)
 
 
 def smoothness_estimate(
