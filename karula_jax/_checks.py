@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "check_bool_leaves",
     "check_finite",
     "check_floating_dtype",
     "check_key",
@@ -171,3 +172,13 @@ def check_key(name: str, key) -> None:
         raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)), got dtype {dtype}")
     if jnp.shape(key) != (2,):
         raise ValueError(f"{name} must be one raw PRNG key of shape (2,), got {jnp.shape(key)}")
+
+
+def check_bool_leaves(name: str, tree) -> list[bool]:
+    """The leaves of a mask pytree, each a Python (or numpy) bool; else ``TypeError``."""
+    flags = []
+    for flag in jax.tree.leaves(tree):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected Python bools as leaves, got {type(flag).__name__}")
+        flags.append(bool(flag))
+    return flags

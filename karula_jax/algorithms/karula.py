@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax._checks import check_bool_leaves
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.step_size import (
@@ -250,11 +251,7 @@ def karula(
     # Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]),
     # stepped along the client mean of nu, which is their projection (the mean of v).
     if personalized is not None:
-        for flag in jax.tree.leaves(personalized):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(
-                    f"personalized: expected Python bools as leaves, got {type(flag).__name__}"
-                )
+        check_bool_leaves("personalized", personalized)
     shared = None if personalized is None else jax.tree.map(lambda f: not f, personalized)
 
     def _radii():

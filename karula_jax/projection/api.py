@@ -8,7 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax._checks import check_positive, check_positive_int, is_concrete
+from karula_jax._checks import (
+    check_bool_leaves,
+    check_positive,
+    check_positive_int,
+    is_concrete,
+)
 from karula_jax.projection.dykstra import _dykstra
 from karula_jax.projection.laplacian import _laplacian
 from karula_jax.projection.reduction import _reduce, _sq_dists_exact, client_mean
@@ -84,6 +89,14 @@ class ProjectionInfo(NamedTuple):
     state: ProjectionState
 
 
+def _relative(violation, radii_sq):
+    """``violation`` over the largest finite radius (as is when no radius is positive)."""
+    off = ~jnp.eye(radii_sq.shape[0], dtype=bool)
+    r2 = jnp.max(jnp.where(off & jnp.isfinite(radii_sq), radii_sq, 0.0)).astype(violation.dtype)
+    rmax = jnp.sqrt(jnp.maximum(r2, 0.0))
+    return violation / jnp.where(rmax > 0, rmax, 1.0)
+
+
 def _violation(out, radii_sq):
     """(max violation, relative violation) of ``out`` [n, p] against ``radii_sq``."""
     n = out.shape[0]
@@ -91,8 +104,7 @@ def _violation(out, radii_sq):
     fin = jnp.isfinite(r) & ~jnp.eye(n, dtype=bool)
     viol = jnp.where(fin, jnp.sqrt(_sq_dists_exact(out)) - jnp.where(fin, r, 0.0), 0.0)
     viol = jnp.maximum(jnp.max(viol), 0.0)
-    rmax = jnp.max(jnp.where(fin, r, 0.0))
-    return viol, viol / jnp.where(rmax > 0, rmax, 1.0)
+    return viol, _relative(viol, radii_sq)
 
 
 class _Screen(NamedTuple):
@@ -188,11 +200,9 @@ def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
     def shrink():
         scale = 0.5 * jnp.sum(screen.xc * screen.xc)
         out = x - (1.0 - screen.beta) * screen.xc
-        rmax = jnp.max(jnp.where(jnp.isfinite(radii_sq), radii_sq, 0.0)).astype(x.dtype)
-        rmax = jnp.sqrt(jnp.maximum(rmax, 0.0))
         info = _exact_info(x.dtype, zero_state)._replace(
             max_violation=screen.violation,
-            rel_violation=screen.violation / jnp.where(rmax > 0, rmax, 1.0),
+            rel_violation=_relative(screen.violation, radii_sq),
             delta=gap * scale,
             rel_delta=gap,
         )
@@ -270,13 +280,7 @@ def _split(v, personalized):
                 "personalized: expected a pytree of bools with the same structure as v "
                 f"({treedef}), got {m_def}"
             )
-        mask = []
-        for m in m_leaves:
-            if not isinstance(m, (bool, np.bool_)):
-                raise TypeError(
-                    f"personalized: expected Python bools as leaves, got {type(m).__name__}"
-                )
-            mask.append(bool(m))
+        mask = check_bool_leaves("personalized", personalized)
     n = None
     for leaf in leaves:
         shape = jnp.shape(leaf)
