@@ -167,3 +167,36 @@ def test_bad_input_raises_for_every_baseline():
         pfedme(LOSS, beta=0.0, **kw)
     with pytest.raises(ValueError, match="inner_steps"):
         pfedme(LOSS, inner_steps=0, **kw)
+
+
+def _large_copies(alg, params, data, shape):
+    """Shapes of the copies of ``shape``-sized f32 arrays in the compiled, donated round."""
+    import re
+
+    state = alg.init(params, data, key=jax.random.key(0))
+    hlo = jax.jit(alg.round, donate_argnums=0).lower(state, data).compile().as_text()
+    want = ",".join(map(str, shape))
+    return re.findall(rf"= f32\[{want}\]\S* copy\(", hlo)
+
+
+def test_memory_is_updated_in_place():
+    """Karula's SAGA memory and SCAFFOLD's controls ([n, ...]) are written in place in a
+    donated round: no copy of an [n, ...] leaf (two per round before the write waited
+    for every read; SCAFFOLD also rewrote n copies of its global model)."""
+    from karula_jax import models
+    from karula_jax.algorithms import karula, scaffold
+    from karula_jax.data import random_classification
+
+    n = 12
+    data = random_classification(n, seed=0, rows=(5, 9), features=40, num_classes=3)
+    net = models.mlp(hidden=16, num_classes=3)
+    params = models.init_params(net, jax.random.key(0), (1, 40))
+    loss = models.cross_entropy_loss(net.apply)
+    kw = dict(clients_per_round=3, batch_size=4)
+    D = jnp.ones((n, n)) - jnp.eye(n)
+    pers = models.output_layer_mask(params)
+    for alg in (
+        karula(loss, D, t=0.1, learning_rate=0.1, personalized=pers, **kw),
+        scaffold(loss, learning_rate=0.1, local_steps=2, **kw),
+    ):
+        assert _large_copies(alg, params, data, (n, 40, 16)) == []

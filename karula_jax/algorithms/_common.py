@@ -201,8 +201,19 @@ def gather(tree: Any, idx: jnp.ndarray) -> Any:
     return jax.tree.map(rows, tree)
 
 
-def scatter(tree: Any, idx: jnp.ndarray, rows: Any) -> Any:
-    """``tree`` with rows ``idx`` of every leaf replaced by ``rows``."""
+def scatter(tree: Any, idx: jnp.ndarray, rows: Any, *, after: Any = None) -> Any:
+    """``tree`` with rows ``idx`` of every leaf replaced by ``rows``.
+
+    ``after``: values computed from reads of ``tree`` (e.g. a direction built from the
+    memory). The write then depends on them, so it is ordered after every read and XLA
+    updates a donated ``tree`` in place; with a read left unordered it copies the
+    whole ``[n, ...]`` leaf, twice, to keep the read correct. ``rows`` are unchanged
+    bit for bit.
+    """
+    if after is not None:
+        total = sum(jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(after))
+        always = (total == total) | (total != total)  # True, NaN included; not folded
+        rows = jax.tree.map(lambda b: jnp.where(always, b, jnp.zeros_like(b)), rows)
     return jax.tree.map(lambda a, b: a.at[idx].set(b.astype(a.dtype)), tree, rows)
 
 

@@ -65,10 +65,10 @@ def scaffold(
         variate (their controls stay 0: plain local SGD on them).
 
     Returns:
-      An :class:`Algorithm`; ``state.params`` holds each client's model (the global
-      model broadcast, plus personalized leaves), ``state.memory`` the client controls
-      ``c_i`` (leaves ``[n, ...]``) and ``state.extra`` the server control ``c`` (no
-      client axis).
+      An :class:`Algorithm`; ``state.params`` holds the global model once (leaves
+      ``[1, ...]``) and each client's personalized leaves (``[n, ...]``),
+      ``state.memory`` the client controls ``c_i`` (leaves ``[n, ...]``) and
+      ``state.extra`` the server control ``c`` (no client axis).
     """
     C.check_positive("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
@@ -101,7 +101,14 @@ def scaffold(
         C.check_clients_per_round(s, n)
         x = jax.tree.map(jnp.asarray, params)
         zeros = jax.tree.map(jnp.zeros_like, x)
-        return C.start_state(x, n, C.run_key(key), memory=C.broadcast(zeros, n), extra=zeros)
+        return C.start_state(
+            x,
+            n,
+            C.run_key(key),
+            memory=C.broadcast(zeros, n),
+            extra=zeros,
+            shared=C.shared_leaves(x, personalized),
+        )
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
@@ -137,7 +144,7 @@ def scaffold(
         def new_params(f, p, y, d):
             if f:
                 return p.at[idx].set(y)
-            return jnp.broadcast_to(p[0] + global_learning_rate * d, p.shape).astype(p.dtype)
+            return (p[0] + global_learning_rate * d)[None].astype(p.dtype)  # stored once
 
         params = jax.tree.map(new_params, flags, state.params, y_rows, step)
         info = C.round_info(values, a_s, mask, C.all_finite(values, y_rows, c_plus, c))

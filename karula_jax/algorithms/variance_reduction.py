@@ -80,7 +80,8 @@ def variance_reduced_direction(
         nu = jax.tree.map(leaf, memory, G)
     else:
         nu = jax.tree.map(lambda f, m, g: mean_leaf(m, g) if f else leaf(m, g), shared, memory, G)
-    return nu, C.scatter(memory, idx, G)
+    # The write waits for nu, i.e. for every read of m: the memory is updated in place.
+    return nu, C.scatter(memory, idx, G, after=nu)
 
 
 def saga_round(
