@@ -422,8 +422,10 @@ def test_default_is_stable_and_not_needlessly_small(name):
     "Converged" after ROUNDS rounds: every round finite, objective gap at most 1e-3 of
     the initial one (optimum: the best run at that t), last move at most 1e-2 of the
     first (no bounded oscillation). The largest converging multiple 2^(k/2) of the
-    default, on the grid, is at most 4 at every t and s (without the coupling
-    ``kappa`` it was 8 at the middle t and 16 at the small t).
+    default on the grid is at most 2.83 at every t and s and the next one, 4, fails:
+    the default is more than a quarter of the largest converging constant step
+    (measured 1.4 to 2.8; without the coupling ``kappa`` up to 5.7 at the middle t and
+    16 at the small t).
     """
     res = _results(name)
     finals = [np.where(np.isfinite(r[2]), r[2], np.inf).min(1) for r in res.values()]
@@ -437,7 +439,7 @@ def test_default_is_stable_and_not_needlessly_small(name):
             k = HALF_OCTAVES[np.flatnonzero(converged[j]).max()]
             ratios[s, t] = 2.0 ** (-k / 2)  # default / largest converging step
             assert not converged[j, -1], (name, s, t)  # the largest lies inside the grid
-            assert k <= 4, (name, s, t, ratios)
+            assert k <= 3, (name, s, t, ratios)  # 2^(4/2) = 4 did not converge
             assert converged[j, 0] or (s == 1 and j == len(TS) - 1), (name, s, t)
 
     if name == "ridge":  # Karula at the default reaches the cvxpy optimum
