@@ -290,16 +290,9 @@ def karula(
 
     def _coupling(params, data, L_i):
         """``kappa`` of the step rule: the projection of approximate local optima."""
-        own = _own(local_optima(loss, params, data, L_i))
-        if not own:  # every leaf shared: Karula is FedSGD with memory, the tied case
+        if not _own(params):  # every leaf shared: Karula is FedSGD with memory, the tied case
             return jnp.float32(jnp.inf)
-        _, info = P.project(
-            own,
-            _radii(),
-            method=projection_method,
-            tol=projection_tol,
-            max_iter=projection_max_iter,
-        )
+        _, info = _project(local_optima(loss, params, data, L_i), None)
         return coupling(info.state.lam, _radii())
 
     def init(params, data: ClientData, *, key) -> FedState:
