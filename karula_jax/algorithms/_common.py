@@ -43,6 +43,7 @@ __all__ = [
     "check_clients_per_round",
     "client_keys",
     "client_mean",
+    "graph_laplacian",
     "check_mask",
     "check_nonnegative",
     "check_params",
@@ -233,6 +234,14 @@ def weighted_mean(tree: Any, w: jnp.ndarray) -> Any:
     """``sum_i w_i tree[i] / sum_i w_i`` over the leading axis of every leaf."""
     total = jnp.sum(w)
     return jax.tree.map(lambda a: (jnp.tensordot(w, a, axes=1) / total).astype(a.dtype), tree)
+
+
+def graph_laplacian(W) -> jnp.ndarray:
+    """``L = diag(W 1) - W`` of symmetric nonnegative weights ``W`` ``[n, n]`` (diagonal
+    of ``W`` ignored)."""
+    W = jnp.asarray(W)
+    W = jnp.where(jnp.eye(W.shape[0], dtype=bool), 0.0, W)
+    return jnp.diag(jnp.sum(W, axis=1)) - W
 
 
 def broadcast(tree: Any, n: int) -> Any:

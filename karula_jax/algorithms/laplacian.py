@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._common import graph_laplacian
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.karula import _check_dissimilarity
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
@@ -91,14 +92,6 @@ def _weights_numpy(d: np.ndarray, scale=None) -> np.ndarray:
     with np.errstate(over="ignore", under="ignore"):
         w = np.exp(-d / float(scale))
     return np.where(off, w, 0.0)
-
-
-def graph_laplacian(W) -> jnp.ndarray:
-    """``L = diag(W 1) - W`` of symmetric nonnegative weights ``W`` ``[n, n]`` (diagonal
-    of ``W`` ignored)."""
-    W = jnp.asarray(W)
-    W = jnp.where(jnp.eye(W.shape[0], dtype=bool), 0.0, W)
-    return jnp.diag(jnp.sum(W, axis=1)) - W
 
 
 def _check_weight_matrix(W, n: int) -> None:

@@ -228,10 +228,8 @@ def coupling(lam, radii_sq) -> jnp.ndarray:
     n = lam.shape[0]
     if n < 2:
         return jnp.zeros((), jnp.float32)
-    off = ~jnp.eye(n, dtype=bool)
     w = jnp.where(jnp.asarray(radii_sq) == 0, MAX_MULTIPLIER, jnp.clip(lam, 0.0, MAX_MULTIPLIER))
-    w = jnp.where(off, 0.5 * (w + w.T), 0.0)
-    laplacian = jnp.diag(jnp.sum(w, axis=1)) - w
+    laplacian = C.graph_laplacian(0.5 * (w + w.T))
     return jnp.maximum(jnp.linalg.eigvalsh(laplacian)[1], 0.0)
 
 
