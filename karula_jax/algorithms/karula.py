@@ -292,6 +292,11 @@ def karula(
         """``kappa`` of the step rule: the projection of approximate local optima."""
         if not _own(params):  # every leaf shared: Karula is FedSGD with memory, the tied case
             return jnp.float32(jnp.inf)
+        radii = C.concrete(_radii())
+        if radii is not None:  # known radii all 0 (kappa unused) or all inf (kappa = 0)
+            off = radii[~np.eye(n, dtype=bool)]
+            if np.all(off == 0) or np.all(np.isposinf(off)):
+                return jnp.float32(0.0)
         _, info = _project(local_optima(loss, params, data, L_i), None)
         return coupling(info.state.lam, _radii())
 
