@@ -36,8 +36,9 @@ class Config:
 
     Command: ``python -m experiments.femnist [--data-dir PATH] [--FIELD VALUE ...]
     [--quick] [--out DIR] [--tag NAME]``; ``results/femnist/`` holds the defaults (the
-    paper's rates on LEAF's pixels), ``--invert --rate-scale 10 --tag invert_x10`` and
-    ``--invert --rates default --tag invert_default``.
+    paper's rates on LEAF's pixels), ``--invert --tag invert_paper``, ``--invert
+    --rate-scale 10 --tag invert_x10`` and ``--invert --rates default --tag
+    invert_default``.
 
     Expected and runtime: ``results/femnist/README.md`` (8 seeds: about 25 minutes per
     command on an idle 2-core machine).
