@@ -270,14 +270,15 @@ def test_dtypes_integer_half_and_nan():
         proj.project(v.astype(jnp.complex64), radii_sq)
 
 
-def test_auto_runs_the_laplacian_dual_at_every_size():
-    for n, p in [(1, 1), (2, 1), (30, 1010), (41, 2), (1000, 1010)]:
-        assert proj.choose_method(n, p) == "laplacian"
+def test_auto_picks_dykstra_small_and_laplacian_large():
+    assert proj.choose_method(30, 1010) == "dykstra"
+    assert proj.choose_method(2, 1) == "dykstra"
+    assert proj.choose_method(41, 2) == "laplacian"
+    assert proj.choose_method(40, 2000) == "laplacian"  # 780 * 2000 floats of state
     v = jnp.zeros((50, 3))
-    for m in (50, 8, 1):
-        state = proj.init_projection_state(v[:m])
-        assert state.lam.shape == (m, m) and state.pair_dual.shape == (0, 3)
-    assert proj.init_projection_state(v[:8], method="dykstra").pair_dual.shape == (28, 3)
+    state = proj.init_projection_state(v)
+    assert state.lam.shape == (50, 50) and state.pair_dual.shape == (0, 3)
+    assert proj.init_projection_state(v[:8]).pair_dual.shape == (28, 3)
 
 
 def test_models_far_inside_their_radii_come_back_as_is():

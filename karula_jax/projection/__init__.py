@@ -51,13 +51,13 @@ the last projection, whose active pairs sit at their radius. The solvers rotate 
 span of the models (Householder QR) when ``p >= 2n`` (Laplacian) or ``p > n`` (Dykstra).
 Matrix products run at full float32 precision (not TF32, a GPU's default).
 
-Solvers: ``method="auto"`` (default) takes the Laplacian dual at every size
-(:func:`choose_method`: it met the tolerance on more random instances than Dykstra, and
-faster). ``method="dykstra"`` is Dykstra's algorithm cycling over the
+Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 40`` and its state
+``n(n-1)/2 * p`` is at most ``2**20`` floats, else the Laplacian dual
+(:func:`choose_method`). ``method="dykstra"`` is Dykstra's algorithm cycling over the
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with
 a bye when ``n`` is odd; the pair kernel vmapped over the disjoint pairs of a matching;
 one vector of dual state per pair); ``"laplacian"`` is a projected Newton-CG ascent on
-the ``n x n`` multipliers only (no per-pair vectors). Both return the
+the ``n x n`` multipliers only (no per-pair vectors), for many clients. Both return the
 same certified output. (A parallel Dykstra that averages per-pair copies of each client
 was dropped: on the same instances it needed 10 to 100 times more iterations and could
 not certify ``tol = 1e-10`` within 300,000 iterations at ``n = 40``.)

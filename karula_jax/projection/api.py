@@ -30,20 +30,28 @@ __all__ = [
 
 METHODS = ("auto", "dykstra", "laplacian")
 
+# "auto" takes the pair-copy Dykstra only while its state (one vector per pair) is small.
+_DYKSTRA_MAX_N = 40
+_DYKSTRA_MAX_FLOATS = 1 << 20
+
 
 def choose_method(n: int, p: int) -> str:
     """The solver ``method="auto"`` runs for ``n`` clients and ``p`` personalized numbers.
 
-    ``"laplacian"`` at every size: on random instances from n = 2 to 40 (p = 1 to 1010,
-    clustered, collinear, duplicated and scaled models, tiny radii, infinite and zero
-    radii) it met the tolerance within 500 iterations where the pair-copy Dykstra did
-    not (3 of 630 instances left against 142), and it was the faster of the two at
-    (10, 50) and (30, 1010) (``experiments/bench_projection.py``, its robustness table).
-    Its state is ``n^2`` scalars; Dykstra's ``n(n-1)/2 * p`` floats (2.5 GB at n = 1000,
-    p = 1010). ``n`` and ``p`` stay in the signature so the policy can depend on them.
+    ``"dykstra"`` when ``n <= 40`` and its dual state ``n(n-1)/2 * p`` has at most
+    ``2**20`` floats (4 MiB in float32; e.g. the paper's n = 30 with a 1010-number
+    output layer), else ``"laplacian"``, whose state is ``n^2`` scalars. At n = 100
+    (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and its
+    state is 2.5 GB at n = 1000. Below 40 neither wins everywhere: the Laplacian dual is
+    faster on single problems (n = 30, p = 1010: a Karula round 1.8x FedAvg's against
+    2.5x) and meets its tolerance on more cold random instances (bench_projection's
+    robustness table), but under ``vmap`` of many small problems (CV grids, seeds) its
+    nested Newton, CG and line-search loops cost more (heart disease, n = 4: Karula's
+    runs 4-5x slower), and warm-started in rounds it missed its tolerance in a few rounds
+    where Dykstra did not.
     """
-    del n, p
-    return "laplacian"
+    small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
+    return "dykstra" if small else "laplacian"
 
 
 class ProjectionState(NamedTuple):
@@ -438,9 +446,9 @@ def project(
       personalized: optional pytree of Python bools with the structure of ``v``
         (True: constrained leaf; False: shared leaf, set to the mean). None: all True.
       method: ``"dykstra"`` (cyclic Dykstra over all pairs; state ``O(n^2 p)``),
-        ``"laplacian"`` (projected Newton ascent on the ``n x n`` multipliers) or
-        ``"auto"`` (:func:`choose_method`, from the static ``n`` and ``p``: the Laplacian
-        dual, the faster and more robust at every size measured).
+        ``"laplacian"`` (dual ascent on the ``n x n`` multipliers; for many clients) or
+        ``"auto"``: the first for small problems, the second otherwise
+        (:func:`choose_method`, from the static ``n`` and ``p``).
       tol: stop when ``delta <= tol * S``, ``S = 1/2 sum_i ||v_i - mean(v)||^2`` over
         the personalized leaves (the objective of collapsing to the mean).
       max_iter: iteration cap (the loop checks the certificate every 10 iterations).
