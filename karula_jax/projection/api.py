@@ -45,10 +45,11 @@ def choose_method(n: int, p: int) -> str:
     state is 2.5 GB at n = 1000. Below 40 neither wins everywhere: the Laplacian dual is
     faster on single problems (n = 30, p = 1010: a Karula round 1.8x FedAvg's against
     2.5x) and meets its tolerance on more cold random instances (bench_projection's
-    robustness table), but under ``vmap`` of many small problems (CV grids, seeds) its
-    nested Newton, CG and line-search loops cost more (heart disease, n = 4: Karula's
-    runs 4-5x slower), and warm-started in rounds it missed its tolerance in a few rounds
-    where Dykstra did not.
+    robustness table). In vmapped Karula runs (CV grids, seeds; 200 warm-started rounds;
+    ``experiments/bench_solvers.py``) it was 2-6x faster at n = 8-16 but 7x slower at
+    n = 4 (heart disease: Karula's runs 33 s against 6-8 s), whose sweeps are tiny, and
+    it missed its tolerance in 1-4 rounds where Dykstra missed none; the crossover is not
+    mapped yet.
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
