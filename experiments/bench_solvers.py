@@ -25,8 +25,8 @@ class SolversConfig:
     Command: ``python -m experiments.bench_solvers [--FIELD VALUE ...]`` writes
     ``results/bench/solvers.md``; ``--quick`` prints one small case.
 
-    Expected: 5 min on 2 CPU cores. At n = 4 Dykstra is several times faster; from n = 8
-    the Laplacian dual is, but it misses its tolerance in a few warm-started rounds.
+    Expected: 10 min on 2 CPU cores. At n = 4 Dykstra is several times faster; from n = 8
+    the Laplacian dual is (7x at n = 30), and both miss their tolerance in a few rounds.
 
     Attributes:
       cases: ``(n, d, seeds, grid points)``; t is geometric in [``t_min``, 1] times the
@@ -35,7 +35,12 @@ class SolversConfig:
       reps: timed repetitions per solver (the faster is reported), interleaved.
     """
 
-    cases: tuple[tuple[int, int, int, int], ...] = ((4, 14, 5, 7), (8, 50, 5, 5), (16, 50, 5, 5))
+    cases: tuple[tuple[int, int, int, int], ...] = (
+        (4, 14, 5, 7),
+        (8, 50, 5, 5),
+        (16, 50, 5, 5),
+        (30, 50, 2, 5),
+    )
     t_min: float = 0.003
     rounds: int = 200
     clients_per_round_frac: float = 1 / 3

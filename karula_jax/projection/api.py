@@ -46,10 +46,11 @@ def choose_method(n: int, p: int) -> str:
     faster on single problems (n = 30, p = 1010: a Karula round 1.8x FedAvg's against
     2.5x) and meets its tolerance on more cold random instances (bench_projection's
     robustness table). In vmapped Karula runs (CV grids, seeds; 200 warm-started rounds;
-    ``experiments/bench_solvers.py``) it was 2-6x faster at n = 8-16 but 7x slower at
-    n = 4 (heart disease: Karula's runs 33 s against 6-8 s), whose sweeps are tiny, and
-    it missed its tolerance in 1-4 rounds where Dykstra missed none; the crossover is not
-    mapped yet.
+    ``experiments/bench_solvers.py``) it was 2-7x faster at n = 8-30 but 7x slower at
+    n = 4 (heart disease: Karula's runs 33 s against 6-8 s), whose sweeps are tiny. It
+    missed its tolerance in 1-4 rounds at every n; Dykstra in none up to n = 16 and in 7
+    at n = 30 (1000 sweeps). A switch near n = 8 is the next step; it changes the tables
+    of the n = 30 experiments, which must be regenerated with it.
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
