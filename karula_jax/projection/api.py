@@ -30,27 +30,26 @@ __all__ = [
 
 METHODS = ("auto", "dykstra", "laplacian")
 
-# "auto" takes the pair-copy Dykstra only while its state (one vector per pair) is small.
-_DYKSTRA_MAX_N = 40
+# "auto" takes the pair-copy Dykstra only for a handful of clients (its sweeps are tiny
+# there) and while its state (one vector per pair) is small.
+_DYKSTRA_MAX_N = 5
 _DYKSTRA_MAX_FLOATS = 1 << 20
 
 
 def choose_method(n: int, p: int) -> str:
     """The solver ``method="auto"`` runs for ``n`` clients and ``p`` personalized numbers.
 
-    ``"dykstra"`` when ``n <= 40`` and its dual state ``n(n-1)/2 * p`` has at most
-    ``2**20`` floats (4 MiB in float32; e.g. the paper's n = 30 with a 1010-number
-    output layer), else ``"laplacian"``, whose state is ``n^2`` scalars. At n = 100
-    (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and its
-    state is 2.5 GB at n = 1000. Below 40 neither wins everywhere: the Laplacian dual is
-    faster on single problems (n = 30, p = 1010: a Karula round 1.8x FedAvg's against
-    2.5x) and meets its tolerance on more cold random instances (bench_projection's
-    robustness table). In vmapped Karula runs (CV grids, seeds; 200 warm-started rounds;
-    ``experiments/bench_solvers.py``) it was 2-7x faster at n = 8-30 but 7x slower at
-    n = 4 (heart disease: Karula's runs 33 s against 6-8 s), whose sweeps are tiny. It
-    missed its tolerance in 1-4 rounds at every n; Dykstra in none up to n = 16 and in 7
-    at n = 30 (1000 sweeps). A switch near n = 8 is the next step; it changes the tables
-    of the n = 30 experiments, which must be regenerated with it.
+    ``"dykstra"`` when ``n <= 5`` and its dual state ``n(n-1)/2 * p`` has at most
+    ``2**20`` floats (4 MiB in float32), else ``"laplacian"``, whose state is ``n^2``
+    scalars. Measured (``experiments/bench_solvers.py``: vmapped ridge Karula runs,
+    seeds x a t grid, 200 warm-started rounds): Dykstra is 7x faster at n = 4, where its
+    sweeps are tiny; the two are within 25% at n = 6; from n = 8 the Laplacian dual is
+    2-7x faster, and Dykstra hits its iteration cap at n = 16-30. On single cold problems
+    the Laplacian dual is faster and meets its tolerance more often at every size
+    (``bench_projection``'s robustness table). Its rare stops above tolerance are float32
+    line-search stops within 5% of it (checked against cvxpy); the output is feasible
+    either way. At n = 100 (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a
+    Laplacian one, and its state is 2.5 GB at n = 1000.
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
