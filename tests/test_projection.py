@@ -223,6 +223,38 @@ def test_compiles_once_and_runs_in_jit_scan_vmap(monkeypatch):
     assert bool(jnp.all(infos.converged))
 
 
+@pytest.mark.parametrize("method", ["dykstra", "laplacian"])
+def test_vmapped_members_are_solved_as_if_alone(method):
+    """A batch mixing an as-is member, a certified shrink and solver members (one easy,
+    two cut off by max_iter) gives each member its unbatched answer, iterations included:
+    the members that a screen answered or that stopped skip the solver's loops (which
+    only saves time: ``bench_solvers``) without changing anyone's result."""
+    v, radii_sq = _instance(21, 7, 4, "uneven")
+    sq = np.sum((v[:, None] - v[None]) ** 2, axis=-1)
+    members = [
+        (v, 4.0 * sq),  # feasible: returned as is
+        (v, 0.9998 * sq),  # a shrink toward the mean, certified by the screen
+        (v, np.where(np.arange(7)[:, None] + np.arange(7) == 1, 0.5, 4.0) * sq),  # one pair
+        (v, radii_sq),
+        (2.0 * v, radii_sq),
+    ]
+    vs = jnp.asarray(np.stack([m[0] for m in members]), jnp.float32)
+    rs = jnp.asarray(np.stack([m[1] for m in members]), jnp.float32)
+    cap = 10
+    solve = lambda x, r: proj.project(x, r, method=method, tol=1e-6, max_iter=cap)
+    th_b, info_b = jax.jit(jax.vmap(solve))(vs, rs)
+    solve_one = jax.jit(solve)
+    for k in range(len(members)):
+        th, info = solve_one(vs[k], rs[k])
+        np.testing.assert_allclose(th_b[k], th, rtol=1e-5, atol=1e-5, err_msg=str(k))
+        assert int(info_b.iterations[k]) == int(info.iterations), k
+        assert bool(info_b.converged[k]) == bool(info.converged), k
+    # the screens answered members 0 and 1; 3 and 4 were cut off at the cap
+    np.testing.assert_array_equal(info_b.iterations[:2], 0)
+    np.testing.assert_array_equal(info_b.iterations[3:], cap)
+    np.testing.assert_array_equal(info_b.converged, [True, True, True, False, False])
+
+
 def test_bad_input_raises():
     v, radii_sq = _instance(10, 4, 3, "groups")
     vj = jnp.asarray(v, jnp.float32)

@@ -42,14 +42,14 @@ def choose_method(n: int, p: int) -> str:
     ``"dykstra"`` when ``n <= 5`` and its dual state ``n(n-1)/2 * p`` has at most
     ``2**20`` floats (4 MiB in float32), else ``"laplacian"``, whose state is ``n^2``
     scalars. Measured (``experiments/bench_solvers.py``: vmapped ridge Karula runs,
-    seeds x a t grid, 200 warm-started rounds): Dykstra is 7x faster at n = 4, where its
-    sweeps are tiny; the two are within 25% at n = 6; from n = 8 the Laplacian dual is
-    2-7x faster, and Dykstra hits its iteration cap at n = 16-30. On single cold problems
-    the Laplacian dual is faster and meets its tolerance more often at every size
-    (``bench_projection``'s robustness table). Its rare stops above tolerance are float32
-    line-search stops within 5% of it (checked against cvxpy); the output is feasible
-    either way. At n = 100 (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a
-    Laplacian one, and its state is 2.5 GB at n = 1000.
+    seeds x a t grid, 200 warm-started rounds): Dykstra is 1.2x faster at n = 4, where
+    its sweeps are tiny; the Laplacian dual 2x faster at n = 6 and 4x at n = 8, and
+    Dykstra hits its iteration cap from n = 16 on. On single cold problems the Laplacian
+    dual meets its tolerance more often at every size (``bench_projection``'s robustness
+    table). Its rare stops above tolerance are float32 line-search stops within 5% of it
+    (checked against cvxpy); the output is feasible either way. At n = 100
+    (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and its
+    state is 2.5 GB at n = 1000.
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
@@ -221,12 +221,14 @@ def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
         [
             lambda: (x, _exact_info(x.dtype, zero_state)),
             shrink,
-            lambda: _solve(x, radii_sq, state, tol, max_iter, method=method),
+            # Under vmap every branch runs for every member: ``skip`` stops the
+            # solver's loop at once for members that a screen has answered.
+            lambda: _solve(x, radii_sq, state, tol, max_iter, method=method, skip=branch != 2),
         ],
     )
 
 
-def _solve(x, radii_sq, state, tol, max_iter, *, method):
+def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     n, p = x.shape
     dtype = x.dtype
     # The Dykstra state is O(n^2 k): rotate onto the span when p > n. The dual solver
@@ -237,11 +239,11 @@ def _solve(x, radii_sq, state, tol, max_iter, *, method):
         q0 = state.pair_dual.astype(dtype)
         if red.basis is not None:
             q0 = q0 @ red.basis
-        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter)
+        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter, skip=skip)
         pair_dual = q if red.basis is None else q @ red.basis.T
     else:
         th, lam, delta, it, done = _laplacian(
-            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter
+            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter, skip=skip
         )
         pair_dual = jnp.zeros((0, p), dtype)
     # Add the (small) move to v itself, so that clients that do not move come back
