@@ -27,10 +27,9 @@ class RoundsConfig:
     (3-6 min on 2 busy CPU cores, most of it the eager loop); ``--quick`` only prints
     (about 1 min).
 
-    Expected: a compiled Karula round (t = 1e-4) about 20x faster than the eager loop,
-    FedAvg about 100x; eager and compiled parameters equal to 1e-7; the projection 20-30%
-    of a compiled Karula round at t = 1e-4 (every constraint active; 40-55% with Dykstra),
-    under 10% at t = 20.
+    Expected: a compiled Karula round (t = 1e-4) 13-20x faster than the eager loop, FedAvg
+    about 100x; eager and compiled parameters equal to 1e-7; the projection 40-55% of a
+    compiled Karula round at t = 1e-4 (every constraint active), under 10% at t = 20.
 
     Attributes:
       rounds, chunk: compiled rounds, in chunks of ``chunk`` (the fastest one is timed).
