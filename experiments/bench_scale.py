@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from unittest import mock
 
@@ -16,7 +15,7 @@ from karula_jax import algorithms as A
 from karula_jax import projection
 from karula_jax.data import random_classification
 from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
-from karula_jax.reporting import cli, machine
+from karula_jax.reporting import cli, run_header
 from karula_jax.training import progress_bar
 
 
@@ -157,9 +156,7 @@ def to_markdown(cfg, argv, rows) -> str:
     return "\n".join(
         [
             "# FedAvg and Karula rounds as the number of clients grows\n",
-            f"`python -m experiments.bench_scale {' '.join(argv)}`".replace(" `", "`")
-            + f"; {machine()}, jax {jax.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cfg}.\n",
+            run_header("experiments.bench_scale", argv, cfg),
             "One process; after one warm-up round the methods take turns round by round "
             "and the median round is reported. Compile: lowering and compiling one round. "
             "State: bytes of the `FedState` leaves; minimum: what the method must hold "
@@ -179,8 +176,7 @@ def main(argv=None) -> None:
     for n in progress_bar(cfg.sizes, desc="n"):
         rows += bench_n(cfg, n)
         print(markdown_table(HEAD, rows[-len(cfg.t_values) - 1 :]), flush=True)
-    given = argv if argv is not None else sys.argv[1:]
-    publish(to_markdown(cfg, given, rows), args.out, quick=args.quick)
+    publish(to_markdown(cfg, argv, rows), args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

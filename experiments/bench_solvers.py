@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,7 @@ from experiments.report import RESULTS, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax.data import synthetic_ridge
 from karula_jax.models import ridge_loss
-from karula_jax.reporting import cli, machine
+from karula_jax.reporting import cli, run_header
 from karula_jax.training import progress_bar, run_many
 
 
@@ -111,13 +109,10 @@ def main(argv=None) -> None:
     rows = []
     for case in progress_bar(cfg.cases, desc="cases"):
         rows += bench_case(cfg, *case)
-    given = argv if argv is not None else sys.argv[1:]
     text = "\n".join(
         [
             "# Projection solvers in vmapped Karula runs (small n)\n",
-            f"`python -m experiments.bench_solvers {' '.join(given)}`".replace(" `", "`")
-            + f"; {machine()}, jax {jax.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cfg}.\n",
+            run_header("experiments.bench_solvers", argv, cfg),
             "Ridge Karula, every seed and t of the grid in one vmapped run (`run_many`), "
             "warm-started projection, tol 1e-6, 1000 iterations at most. Run: the compiled "
             "rounds' time (faster of the repetitions); iterations are per member and round; "

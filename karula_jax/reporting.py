@@ -22,6 +22,8 @@ import json
 import os
 import pathlib
 import platform
+import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -233,6 +235,15 @@ def machine() -> str:
             f"average {load:.1f} at the end), no GPU"
         )
     return f"{dev.device_kind} ({dev.platform}), host with {os.cpu_count()} CPU cores"
+
+
+def run_header(module: str, argv: Sequence[str] | None, cfg: Any) -> str:
+    """A bench report's first line: the command as run (``argv``: its flags, ``None`` for
+    ``sys.argv``), the device, jax's version, the date and the config."""
+    flags = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m " + module, *flags])
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"`{command}`; {machine()}, jax {jax.__version__}, {stamp}; {cfg}.\n"
 
 
 def write_json(obj: Any, path: pathlib.Path) -> None:
