@@ -1,0 +1,45 @@
+"""The benchmarks' own measuring tools."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench_scale import compiled_bare_round, compiled_round
+from karula_jax import algorithms as A
+from karula_jax.data import random_classification
+from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
+
+
+def test_bare_round_runs_without_the_projection_even_after_the_full_round():
+    # jit caches traces per function: timing jit(alg.round) again under the patch would
+    # time the full round twice (the bug that gave bench_scale's "projection share" ~0).
+    n = 5
+    data, model = (
+        random_classification(n, seed=0, rows=(6, 9), features=12, num_classes=3),
+        mlp(8, 3),
+    )
+    params = init_params(model, jax.random.PRNGKey(0), (1, 12))
+    pers = output_layer_mask(params)
+    D = np.ones((n, n)) - np.eye(n)
+    alg = A.karula(
+        cross_entropy_loss(model.apply),
+        D,
+        t=1e-3,
+        learning_rate=0.5,
+        personalized=pers,
+        clients_per_round=n,
+        batch_size=4,
+    )
+    state = alg.init(params, data, key=jax.random.PRNGKey(0))
+    copy = lambda: jax.tree.map(jnp.copy, state)  # noqa: E731 - the calls donate the state
+    full, _ = compiled_round(alg.round, copy(), data)
+    bare, _ = compiled_bare_round(alg, copy(), data)
+    (s_full, i_full), (s_bare, i_bare) = full(copy(), data), bare(copy(), data)
+    assert int(i_full.proj_iterations) > 0 and int(i_bare.proj_iterations) == 0
+    radius = np.sqrt(np.asarray(A.radii_squared(1e-3, D)))
+    for s, holds in ((s_full, True), (s_bare, False)):
+        out = np.concatenate(
+            [np.reshape(x, (n, -1)) for x in jax.tree.leaves(s.params["params"]["output"])], 1
+        )
+        dist = np.linalg.norm(out[:, None] - out[None], axis=-1)
+        assert bool(np.all(dist <= radius * (1 + 1e-3) + 1e-6)) is holds
