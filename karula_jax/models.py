@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from karula_jax import _linalg
 from karula_jax._checks import (
     check_floating_dtype,
     check_nonnegative,
@@ -246,7 +247,7 @@ def _gram_max_eig(data, intercept: bool) -> jnp.ndarray:
         x = jnp.concatenate([x, mask[..., None].astype(x.dtype)], axis=-1)
     counts = jnp.maximum(jnp.asarray(data.counts, x.dtype), 1.0)
     gram = jnp.einsum("nki,nkj->nij", x, x) / counts[:, None, None]
-    return jnp.linalg.eigvalsh(gram)[:, -1]
+    return _linalg.eigvalsh(gram)[:, -1]
 
 
 def ridge_smoothness(data, lam) -> jnp.ndarray:

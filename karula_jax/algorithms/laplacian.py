@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax import _linalg
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._common import graph_laplacian
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
@@ -124,7 +125,7 @@ def _spectrum(W) -> tuple[jnp.ndarray, jnp.ndarray]:
         lam = np.where(lam <= 10 * n * eps * max(lam[-1], 0.0), 0.0, lam)
         return jnp.asarray(lam, jnp.float32), jnp.asarray(U, jnp.float32)
     n = W.shape[0]
-    lam, U = jnp.linalg.eigh(graph_laplacian(W))
+    lam, U = _linalg.eigh(graph_laplacian(W))
     eps = jnp.finfo(lam.dtype).eps
     lam = jnp.where(lam <= 10 * n * eps * jnp.maximum(lam[-1], 0.0), 0.0, lam)
     return lam, U

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from karula_jax import _linalg
 from karula_jax.algorithms import _common as C
 from karula_jax.data.clients import ClientData
 
@@ -230,7 +231,7 @@ def coupling(lam, radii_sq) -> jnp.ndarray:
         return jnp.zeros((), jnp.float32)
     w = jnp.where(jnp.asarray(radii_sq) == 0, MAX_MULTIPLIER, jnp.clip(lam, 0.0, MAX_MULTIPLIER))
     laplacian = C.graph_laplacian(0.5 * (w + w.T))
-    return jnp.maximum(jnp.linalg.eigvalsh(laplacian)[1], 0.0)
+    return jnp.maximum(_linalg.eigvalsh(laplacian)[1], 0.0)
 
 
 def smoothness_estimate(

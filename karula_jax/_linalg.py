@@ -1,0 +1,66 @@
+"""Dense factorizations whose batches cannot hang XLA's CPU thread pool.
+
+jaxlib 0.10 splits a batched LAPACK call (LU, triangular solve, QR, eigh) of more than
+about 2e5 flops into chunks on XLA's intra-op thread pool, and the calling thread, itself a
+pool thread, blocks until they finish. When as many such calls run at once as the pool has
+threads (2 on a 2-core machine: e.g. two independent inverses in a vmapped while loop,
+which XLA's thunk executor starts concurrently), every thread blocks and the program hangs
+(seen in 1-3 of 12 runs of a vmapped batch of 32 Laplacian projections at n = 30; gdb put
+both pool threads in ``jax::ParallelBatchMap`` under ``lapack_sgetrf_ffi`` and
+``lapack_strsm_ffi``). Later open-source jaxlib builds no longer parallelize these calls.
+
+The functions here batch, under ``jax.vmap`` or over leading axes, as a loop of unbatched
+calls on the CPU (jaxlib runs an unbatched call inline) and as one batched call on other
+platforms. Nested vmaps stay unbatched too: the loop body calls the wrapped function again,
+so every enclosing vmap applies the same rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["eigh", "eigvalsh", "inv", "qr_q"]
+
+
+def _unbatched_on_cpu(fn):
+    """``fn`` on single matrices, with a vmap rule that loops over the batch on the CPU."""
+    one = jax.custom_batching.custom_vmap(fn)
+
+    @one.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched, strict=True)
+        ]
+        out = jax.lax.platform_dependent(
+            *args,
+            cpu=lambda *a: jax.lax.map(lambda xs: one(*xs), a),
+            default=lambda *a: jax.vmap(fn)(*a),
+        )
+        return out, jax.tree.map(lambda _: True, out)
+
+    def wrapped(a):
+        a = jnp.asarray(a)
+        if a.ndim < 2:
+            raise ValueError(f"expected a matrix or a batch of matrices, got shape {a.shape}")
+        lead = a.shape[:-2]
+        if not lead:
+            return one(a)
+        out = jax.vmap(one)(jnp.reshape(a, (-1, *a.shape[-2:])))
+        return jax.tree.map(lambda x: jnp.reshape(x, (*lead, *x.shape[1:])), out)
+
+    return wrapped
+
+
+inv = _unbatched_on_cpu(lambda a: jnp.linalg.inv(a))
+inv.__doc__ = "``jnp.linalg.inv`` of ``[..., n, n]``; batches never use jaxlib's thread pool."
+
+eigh = _unbatched_on_cpu(lambda a: tuple(jnp.linalg.eigh(a)))
+eigh.__doc__ = "``jnp.linalg.eigh`` of ``[..., n, n]`` as ``(w, v)``; batches run unbatched on CPU."
+
+eigvalsh = _unbatched_on_cpu(lambda a: jnp.linalg.eigvalsh(a))
+eigvalsh.__doc__ = "``jnp.linalg.eigvalsh`` of ``[..., n, n]``; batches run unbatched on CPU."
+
+qr_q = _unbatched_on_cpu(lambda a: jnp.linalg.qr(a)[0])
+qr_q.__doc__ = "``Q`` of the reduced QR of ``[..., m, k]``; batches run unbatched on CPU."

@@ -1,0 +1,77 @@
+"""karula_jax._linalg: same values as jnp.linalg, and batches that never use jaxlib's pool."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from karula_jax import _linalg
+
+
+def _spd(shape, seed=0):
+    a = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    n = shape[-1]
+    return a @ np.swapaxes(a, -1, -2) + n * np.eye(n, dtype=np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 30])
+def test_values_match_numpy_unbatched_batched_and_nested_vmap(n):
+    a = _spd((2, 3, n, n), seed=n)
+    ref_inv, ref_w = np.linalg.inv(a.astype(np.float64)), np.linalg.eigvalsh(a.astype(np.float64))
+    tol = dict(rtol=2e-4, atol=2e-5 * n)
+    np.testing.assert_allclose(_linalg.inv(a[0, 0]), ref_inv[0, 0], **tol)
+    np.testing.assert_allclose(_linalg.inv(a), ref_inv, **tol)
+    np.testing.assert_allclose(jax.jit(jax.vmap(jax.vmap(_linalg.inv)))(a), ref_inv, **tol)
+    np.testing.assert_allclose(_linalg.eigvalsh(a), ref_w, rtol=2e-4, atol=1e-3)
+    w, v = jax.vmap(_linalg.eigh)(a[0])
+    np.testing.assert_allclose(w, ref_w[0], rtol=2e-4, atol=1e-3)
+    np.testing.assert_allclose(
+        v @ (w[..., None] * np.swapaxes(v, -1, -2)), a[0], rtol=1e-3, atol=1e-3
+    )
+    # unbatched arguments of a vmapped call are broadcast
+    b = jnp.asarray(a[0, 0])
+    out = jax.vmap(lambda s: s * _linalg.inv(b))(jnp.arange(3.0))
+    np.testing.assert_allclose(out[2], 2 * ref_inv[0, 0], **tol)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (50, 30), (4, 9, 4)])
+def test_qr_q_is_orthonormal_and_spans_the_columns(shape):
+    a = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    q = np.asarray(jax.vmap(_linalg.qr_q)(a[None])[0])
+    k = shape[-1]
+    np.testing.assert_allclose(
+        np.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(k), q.shape[:-2] + (k, k)), atol=1e-5
+    )
+    np.testing.assert_allclose(q @ (np.swapaxes(q, -1, -2) @ a), a, atol=1e-4)
+
+
+def test_bad_shape_is_a_value_error():
+    with pytest.raises(ValueError, match="matrix"):
+        _linalg.inv(jnp.ones(3))
+
+
+def _lapack_lines(hlo_text):
+    return [line for line in hlo_text.splitlines() if 'custom_call_target="lapack_' in line]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="LAPACK custom calls are CPU only")
+def test_batched_calls_reach_lapack_one_matrix_at_a_time():
+    # jaxlib 0.10 runs a batched LAPACK call of more than ~2e5 flops on XLA's thread pool,
+    # which deadlocks when pool-size such calls run at once; unbatched calls run inline.
+    a = _spd((4, 8, 30, 30))
+    fns = {
+        "vmap(vmap(inv))": jax.vmap(jax.vmap(_linalg.inv)),
+        "leading axes": _linalg.inv,
+        "vmap(eigvalsh)": jax.vmap(_linalg.eigvalsh),
+        "vmap(qr_q)": jax.vmap(jax.vmap(_linalg.qr_q)),
+    }
+    for name, fn in fns.items():
+        txt = jax.jit(fn).lower(a).compile().as_text()
+        # the first shape of each LAPACK line is its (first) result's
+        calls = [re.search(r"f32\[[0-9,]*\]", line)[0] for line in _lapack_lines(txt)]
+        assert calls and all(shape == "f32[30,30]" for shape in calls), (name, calls)
+    # the plain jnp call is batched: the check above can fail
+    txt = jax.jit(jax.vmap(jnp.linalg.inv)).lower(a[0]).compile().as_text()
+    assert any("f32[8,30,30]" in line for line in _lapack_lines(txt))
