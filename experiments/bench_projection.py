@@ -27,7 +27,7 @@ class ProjectionBenchConfig:
     (30, 1010)); ``--quick`` only prints (about 20 s).
 
     A robustness table follows: both solvers on random instances of many kinds and sizes
-    (:func:`hard_instance`) where ``auto`` takes Dykstra, float32, ``tol = 1e-6``,
+    (:func:`hard_instance`) up to n = 40, where the two compete, float32, ``tol = 1e-6``,
     ``max_iter = ROBUST_MAX_ITER`` (a Karula round allows 1000).
 
     Expected: at (30, 1010) both solvers 3,000-9,000x faster than cvxpy, certified
@@ -39,8 +39,8 @@ class ProjectionBenchConfig:
       sizes: (n, p) solved by both solvers in both dtypes and by cvxpy.
       large_n: n of the Laplacian-only runs (float32, p = 1010).
       reps, large_reps: timed calls after the first (the fastest is reported).
-      robust_n, robust_p, robust_reps: sizes of the robustness table (those where
-        ``choose_method`` takes Dykstra) and instances per kind and size.
+      robust_n, robust_p, robust_reps: sizes of the robustness table and instances per
+        kind and size.
     """
 
     sizes: tuple[tuple[int, int], ...] = ((10, 50), (30, 1010))
@@ -106,7 +106,6 @@ def robustness(cfg: ProjectionBenchConfig) -> list[str]:
     rng = np.random.default_rng(0)
     stats = {"dykstra": [], "laplacian": []}  # "auto" is one of them
     sizes = [(n, p) for n in cfg.robust_n for p in cfg.robust_p]
-    sizes = [(n, p) for n, p in sizes if projection.choose_method(n, p) == "dykstra"]
     for n, p in progress_bar(sizes, desc="robustness"):
         for kind in KINDS:
             for _ in range(cfg.robust_reps):
@@ -226,7 +225,7 @@ def main(argv=None) -> None:
             markdown_table(head, rows),
             f"\n## Robustness\n\n{cfg.robust_reps} random instances of each kind ("
             f"{', '.join(KINDS)}; :func:`hard_instance`) for n in {cfg.robust_n} and p in "
-            f"{cfg.robust_p} where `auto` takes Dykstra, float32, tol = 1e-6, max_iter = "
+            f"{cfg.robust_p}, float32, tol = 1e-6, max_iter = "
             f"{ROBUST_MAX_ITER} (Karula's round allows 1000). Time: median of one compiled "
             "call.\n",
             markdown_table(

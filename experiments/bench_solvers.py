@@ -23,8 +23,9 @@ class SolversConfig:
     Command: ``python -m experiments.bench_solvers [--FIELD VALUE ...]`` writes
     ``results/bench/solvers.md``; ``--quick`` prints one small case.
 
-    Expected: 10 min on 2 CPU cores. At n = 4 Dykstra is several times faster; from n = 8
-    the Laplacian dual is (7x at n = 30), and both miss their tolerance in a few rounds.
+    Expected: 10 min on 2 CPU cores. At n = 4 Dykstra is several times faster, at n = 6
+    the two are within 25%, from n = 8 the Laplacian dual is faster (7x at n = 30); both
+    miss their tolerance in a few rounds.
 
     Attributes:
       cases: ``(n, d, seeds, grid points)``; t is geometric in [``t_min``, 1] times the
@@ -35,6 +36,7 @@ class SolversConfig:
 
     cases: tuple[tuple[int, int, int, int], ...] = (
         (4, 14, 5, 7),
+        (6, 30, 5, 5),
         (8, 50, 5, 5),
         (16, 50, 5, 5),
         (30, 50, 2, 5),

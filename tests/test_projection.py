@@ -302,10 +302,11 @@ def test_dtypes_integer_half_and_nan():
 
 
 def test_auto_picks_dykstra_small_and_laplacian_large():
-    assert proj.choose_method(30, 1010) == "dykstra"
     assert proj.choose_method(2, 1) == "dykstra"
-    assert proj.choose_method(41, 2) == "laplacian"
-    assert proj.choose_method(40, 2000) == "laplacian"  # 780 * 2000 floats of state
+    assert proj.choose_method(5, 1010) == "dykstra"
+    assert proj.choose_method(6, 2) == "laplacian"
+    assert proj.choose_method(30, 1010) == "laplacian"
+    assert proj.choose_method(5, 200_000) == "laplacian"  # 10 * 200000 floats of state
     v = jnp.zeros((50, 3))
     state = proj.init_projection_state(v)
     assert state.lam.shape == (50, 50) and state.pair_dual.shape == (0, 3)

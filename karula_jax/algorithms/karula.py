@@ -206,8 +206,8 @@ def karula(
         ``nu`` (their projection). ``None``: every leaf personalized.
       weights: optional client weights ``alpha`` of shape ``[n]`` (default
         proportional to ``N_i`` with mean 1).
-      projection_method: solver of the projection: ``"auto"`` (Dykstra for small
-        problems, the Laplacian dual otherwise; see
+      projection_method: solver of the projection: ``"auto"`` (Dykstra for a handful
+        of clients, the Laplacian dual otherwise; see
         :func:`karula_jax.projection.choose_method`), ``"dykstra"`` or ``"laplacian"``.
       projection_tol: its tolerance.
       projection_max_iter: its iteration cap.

@@ -51,7 +51,7 @@ the last projection, whose active pairs sit at their radius. The solvers rotate 
 span of the models (Householder QR) when ``p >= 2n`` (Laplacian) or ``p > n`` (Dykstra).
 Matrix products run at full float32 precision (not TF32, a GPU's default).
 
-Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 40`` and its state
+Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 5`` and its state
 ``n(n-1)/2 * p`` is at most ``2**20`` floats, else the Laplacian dual
 (:func:`choose_method`). ``method="dykstra"`` is Dykstra's algorithm cycling over the
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with

@@ -31,29 +31,26 @@ __all__ = [
 METHODS = ("auto", "dykstra", "laplacian")
 
 # "auto" takes the pair-copy Dykstra only while its state (one vector per pair) is small.
-_DYKSTRA_MAX_N = 40
+_DYKSTRA_MAX_N = 5
 _DYKSTRA_MAX_FLOATS = 1 << 20
 
 
 def choose_method(n: int, p: int) -> str:
     """The solver ``method="auto"`` runs for ``n`` clients and ``p`` personalized numbers.
 
-    ``"dykstra"`` when ``n <= 40`` and its dual state ``n(n-1)/2 * p`` has at most
-    ``2**20`` floats (4 MiB in float32; e.g. the paper's n = 30 with a 1010-number
-    output layer), else ``"laplacian"``, whose state is ``n^2`` scalars. At n = 100
-    (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and its
-    state is 2.5 GB at n = 1000. Below 40 neither wins everywhere: the Laplacian dual is
-    faster on single problems (n = 30, p = 1010: a Karula round 1.8x FedAvg's against
-    2.5x) and meets its tolerance on more cold random instances (bench_projection's
-    robustness table); its rare stops above tolerance in Karula runs are float32 stops
-    within 5% of it (true gap at most 1.12e-6 of S against cvxpy). In vmapped runs
-    (``experiments/bench_solvers.py``) it was 2-7x faster at n = 8-30 but 7x slower at
-    n = 4, because a batched while loop runs until every member stops and stopped members
-    keep its inner loops (CG, line searches) busy. Gating those loops on the member's
-    own state made it 1.2x Dykstra's time at n = 4 and 0.5x-0.1x at n = 6-30, but on the
-    CPU (jax 0.10.2) 3 of 12 calls of a vmapped batch of 32 solves at n = 30 then
-    deadlocked in XLA (every thread waiting, no CPU used; 0 of 20 without the gate), so
-    that change and a switch of this policy wait for a fix.
+    ``"dykstra"`` when ``n <= 5`` and its dual state ``n(n-1)/2 * p`` has at most
+    ``2**20`` floats (4 MiB in float32), else ``"laplacian"``, whose state is ``n^2``
+    scalars. Measured (``experiments/bench_solvers.py``: vmapped ridge Karula runs,
+    seeds x a t grid, 200 warm-started rounds): Dykstra is faster at n = 4, where its
+    sweeps are tiny; the Laplacian dual from n = 6, and Dykstra hits its iteration cap
+    from n = 16 on. On single problems the Laplacian dual is faster too (n = 30, p = 1010,
+    stress t: a Karula round 1.7x FedAvg's, against 2.5x with Dykstra) and meets its
+    tolerance on more cold random instances (``bench_projection``'s robustness table).
+    Its rare stops above tolerance are float32 line-search stops within 5% of it (true
+    gap at most 1.12e-6 of S against cvxpy); the output is feasible either way. At
+    n = 100 (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and
+    its state is 2.5 GB at n = 1000. (Vmapped Laplacian solves once hung the CPU runtime:
+    jaxlib's batched LAPACK calls, now run one matrix at a time, see ``karula_jax._linalg``.)
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
@@ -225,12 +222,14 @@ def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
         [
             lambda: (x, _exact_info(x.dtype, zero_state)),
             shrink,
-            lambda: _solve(x, radii_sq, state, tol, max_iter, method=method),
+            # Under vmap every branch runs for every member: ``skip`` stops the
+            # solver's loop at once for members that a screen has answered.
+            lambda: _solve(x, radii_sq, state, tol, max_iter, method=method, skip=branch != 2),
         ],
     )
 
 
-def _solve(x, radii_sq, state, tol, max_iter, *, method):
+def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     n, p = x.shape
     dtype = x.dtype
     # The Dykstra state is O(n^2 k): rotate onto the span when p > n. The dual solver
@@ -241,11 +240,11 @@ def _solve(x, radii_sq, state, tol, max_iter, *, method):
         q0 = state.pair_dual.astype(dtype)
         if red.basis is not None:
             q0 = q0 @ red.basis
-        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter)
+        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter, skip=skip)
         pair_dual = q if red.basis is None else q @ red.basis.T
     else:
         th, lam, delta, it, done = _laplacian(
-            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter
+            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter, skip=skip
         )
         pair_dual = jnp.zeros((0, p), dtype)
     # Add the (small) move to v itself, so that clients that do not move come back

@@ -63,7 +63,7 @@ def _round_robin(n: int):
     return tuple(np.asarray(z) for z in (a, b, idx, ok))
 
 
-def _dykstra(red, q0, *, tol, max_iter):
+def _dykstra(red, q0, *, tol, max_iter, skip=False):
     """Cyclic Dykstra on the merged problem; q0: [m, k] pair increments.
 
     Pair ``(i, j)`` keeps one increment vector ``q_ij``; the primal point is always
@@ -143,6 +143,6 @@ def _dykstra(red, q0, *, tol, max_iter):
         return q, th, lam, delta, it + k, _stop(delta, red, tol)
 
     th, lam, delta = check(q0)
-    init = (q0, th, lam, delta, jnp.int32(0), _stop(delta, red, tol))
+    init = (q0, th, lam, delta, jnp.int32(0), _stop(delta, red, tol) | skip)
     q, th, lam, delta, it, _ = jax.lax.while_loop(cond, body, init)
     return th, lam, q, delta, it, delta <= tol * red.scale

@@ -18,7 +18,7 @@ _CG_MAX_ITER_LARGE = 5
 _GRAM_ABOVE = 96
 
 
-def _laplacian(red, lam0, *, tol, max_iter):
+def _laplacian(red, lam0, *, tol, max_iter, skip=False):
     r"""Projected Newton (two-metric, Newton-CG) ascent on the n x n multipliers.
 
     The dual ``g(lam)`` is concave with gradient ``(||theta_i - theta_j||^2 - R_ij^2)/2``
@@ -50,7 +50,7 @@ def _laplacian(red, lam0, *, tol, max_iter):
         dg = jnp.diag(yt)
         return jnp.where(mask, dg[:, None] + dg[None, :] - yt - yt.T, 0.0)
 
-    def direction(lam, ev):
+    def direction(lam, ev, running):
         a_inv = ev.a_inv
         da = jnp.diag(a_inv)
         d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
@@ -62,11 +62,13 @@ def _laplacian(red, lam0, *, tol, max_iter):
         free = mask & ~active
         b = jnp.where(free, ev.grad, 0.0)
         op = lambda x: jnp.where(free, hvp(ev, a_inv, x) + mu * x, 0.0)
-        s = _pcg(op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter)
+        s = _pcg(
+            op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter, running=running
+        )
         newton = jnp.where(free, s, jnp.where(active, diag_step, 0.0))
         return newton, jnp.where(mask, diag_step, 0.0)
 
-    def line_search(lam, ev, s):
+    def line_search(lam, ev, s, running):
         def trial(alpha):
             new = jnp.maximum(lam + alpha * s, 0.0)
             ev_new = evaluate(new)
@@ -79,7 +81,7 @@ def _laplacian(red, lam0, *, tol, max_iter):
             return new, ev_new, ok
 
         def cond(c):
-            return (~c[3]) & (c[4] < 30)
+            return (~c[3]) & (c[4] < 30) & running
 
         def body(c):
             alpha = 0.5 * c[0]
@@ -94,12 +96,17 @@ def _laplacian(red, lam0, *, tol, max_iter):
         return (~c[4]) & (c[3] < max_iter)
 
     def body(c):
-        lam, ev, _, it, _, _ = c
-        s, s_diag = direction(lam, ev)
-        new, ev_new, ok = line_search(lam, ev, s)
+        lam, ev, _, it, done, _ = c
+        # Under vmap the members that have stopped still run this body (their results
+        # are dropped); ``running`` keeps them from holding the inner loops open (a member
+        # stopped by a failed line search would otherwise add 60 evaluations to every
+        # later iteration of the batch). Unbatched, ``done`` is always False here.
+        running = ~done
+        s, s_diag = direction(lam, ev, running)
+        new, ev_new, ok = line_search(lam, ev, s, running)
         # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
         new, ev_new, ok = jax.lax.cond(
-            ok, lambda: (new, ev_new, ok), lambda: line_search(lam, ev, s_diag)
+            ok, lambda: (new, ev_new, ok), lambda: line_search(lam, ev, s_diag, running & ~ok)
         )
         lam = jnp.where(ok, new, lam)
         ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
@@ -109,21 +116,22 @@ def _laplacian(red, lam0, *, tol, max_iter):
 
     ev = evaluate(lam0)
     _, delta = _delta(ev.th, ev.g, red, gram=gram)
-    init = (lam0, ev, delta, jnp.int32(0), _stop(delta, red, tol), jnp.array(True))
+    init = (lam0, ev, delta, jnp.int32(0), _stop(delta, red, tol) | skip, jnp.array(True))
     lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
     th, delta = _delta(ev.th, evaluate(lam, certify=True).g, red)
     return th, lam, delta, it, delta <= tol * red.scale
 
 
-def _pcg(op, b, pre, dot, *, rtol, max_iter):
-    """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD)."""
+def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):
+    """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD); no iteration
+    when ``running`` is False."""
     x = jnp.zeros_like(b)
     z = b / pre
     stop = (rtol**2) * dot(b, b)
 
     def cond(c):
         _, r, _, _, k = c
-        return (dot(r, r) > stop) & (k < max_iter)
+        return (dot(r, r) > stop) & (k < max_iter) & running
 
     def body(c):
         x, r, p, rz, k = c
