@@ -26,10 +26,10 @@ class ScaleConfig:
     Command: ``python -m experiments.bench_scale [--FIELD VALUE ...] [--out FILE]`` writes
     ``results/bench/scale.md``; ``--quick`` prints n = 30, 100 only (about 1 min).
 
-    Expected: 3 min on 2 CPU cores or one H100. Karula 0.9-1.1x a FedAvg round at t = 20
-    and at the stress t from n = 300 on (CPU); at the stress t and n <= 100 the projection
-    solver makes it 2-2.5x (CPU), 8-15x (H100, before the in-place memory update). State
-    within 1.2x of the minimum, compile under 6 s (CPU).
+    Expected: 3 min on 2 CPU cores or one H100. Karula 0.8-1.4x a FedAvg round at t = 20
+    and at the stress t from n = 300 on (CPU; 3 timed rounds from n = 1000, so noisy); at
+    the stress t and n <= 100 the projection solver makes it 1.8-1.9x (CPU), 8-15x (H100,
+    older code). State 1.00x the minimum, compile under 6 s (CPU).
 
     Attributes:
       sizes: numbers of clients n; s = n / 10 participate in a round.

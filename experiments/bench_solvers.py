@@ -23,9 +23,9 @@ class SolversConfig:
     Command: ``python -m experiments.bench_solvers [--FIELD VALUE ...]`` writes
     ``results/bench/solvers.md``; ``--quick`` prints one small case.
 
-    Expected: 10 min on 2 CPU cores. At n = 4 Dykstra is several times faster, at n = 6
-    the two are within 25%, from n = 8 the Laplacian dual is faster (7x at n = 30); both
-    miss their tolerance in a few rounds.
+    Expected: 7 min on 2 CPU cores. At n = 4 Dykstra is 1.3x faster; from n = 6 the
+    Laplacian dual is (2x at n = 6, 16x at n = 30); both miss their tolerance in a few
+    rounds.
 
     Attributes:
       cases: ``(n, d, seeds, grid points)``; t is geometric in [``t_min``, 1] times the
