@@ -44,7 +44,7 @@ def choose_method(n: int, p: int) -> str:
     seeds x a t grid, 200 warm-started rounds): Dykstra is faster at n = 4, where its
     sweeps are tiny; the Laplacian dual from n = 6, and Dykstra hits its iteration cap
     from n = 16 on. On single problems the Laplacian dual is faster too (n = 30, p = 1010,
-    stress t: a Karula round 1.7x FedAvg's, against 2.5x with Dykstra) and meets its
+    stress t: a Karula round 1.8x FedAvg's, against 2.5x with Dykstra) and meets its
     tolerance on more cold random instances (``bench_projection``'s robustness table).
     Its rare stops above tolerance are float32 line-search stops within 5% of it (true
     gap at most 1.12e-6 of S against cvxpy); the output is feasible either way. At
