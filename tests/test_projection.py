@@ -150,11 +150,16 @@ def test_t_zero_collapses_to_mean_and_inf_is_identity(method):
 def test_pair_kernel_closed_form():
     a, b = jnp.array([3.0, 0.0]), jnp.array([-1.0, 0.0])
     a2, b2 = proj.pair_kernel(a, b, 2.0)
-    np.testing.assert_allclose(a2, [2.0, 0.0]) and np.testing.assert_allclose(b2, [0.0, 0.0])
+    # one assertion per end: ``assert_allclose`` returns None, so chaining two with
+    # ``and`` never ran the second (a kernel that left ``b`` in place passed)
+    np.testing.assert_allclose(a2, [2.0, 0.0])
+    np.testing.assert_allclose(b2, [0.0, 0.0])
     a2, b2 = proj.pair_kernel(a, b, 2.0, mass_a=3.0, mass_b=1.0)  # heavy end moves less
-    np.testing.assert_allclose(a2, [2.5, 0.0]) and np.testing.assert_allclose(b2, [0.5, 0.0])
+    np.testing.assert_allclose(a2, [2.5, 0.0])
+    np.testing.assert_allclose(b2, [0.5, 0.0])
     a2, b2 = proj.pair_kernel(a, b, 5.0)
-    np.testing.assert_array_equal(a2, a) and np.testing.assert_array_equal(b2, b)
+    np.testing.assert_array_equal(a2, a)
+    np.testing.assert_array_equal(b2, b)
 
 
 def test_personalized_and_shared_leaves():
