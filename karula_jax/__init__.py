@@ -2,7 +2,9 @@
 
 Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projection`` /
 ``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) ->
-``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE).
+``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE)
+-> ``reporting`` (tables, JSON, figures). Every public submodule is reachable as an
+attribute after ``import karula_jax``.
 """
 
 from karula_jax import (
@@ -13,6 +15,7 @@ from karula_jax import (
     models,
     projection,
     protocol,
+    reporting,
     stats,
     training,
 )
@@ -25,6 +28,7 @@ __all__ = [
     "models",
     "projection",
     "protocol",
+    "reporting",
     "stats",
     "training",
 ]

@@ -232,13 +232,55 @@ def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int
     return {"karula": float(karula), "local": n / a.max(), "fedavg": 1.0 / float(L_i.max())}
 
 
+def _fits(loss: LossFn, params, data: ClientData) -> bool:
+    """Whether ``loss(params, x, y, mask)`` can be evaluated on one client of ``data``."""
+    x = jax.ShapeDtypeStruct(data.x.shape[1:], data.x.dtype)
+    y = jax.ShapeDtypeStruct(data.y.shape[1:], data.y.dtype)
+    mask = jax.ShapeDtypeStruct(data.x.shape[1:2], jnp.bool_)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+    try:
+        jax.eval_shape(loss, spec, x, y, mask)
+    except Exception:  # noqa: BLE001 - any failure means "does not fit"
+        return False
+    return True
+
+
 def member_default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int, keys):
-    """:func:`default_rates` of every member: ``params``, ``data`` and ``keys`` carry a
-    leading member axis ``[B]``; returns ``{name: float64 array [B]}``."""
+    """:func:`default_rates` of every member.
+
+    Args:
+      loss: the loss of every member.
+      params: one model for every member (no member axis), or one model per member,
+        leaves ``[B, ...]``; one model is used for every member, as if stacked.
+      data: members' data, leaves ``[B, n, N, ...]``.
+      clients_per_round: ``s`` of every member.
+      keys: stacked keys ``[B]``.
+
+    Returns:
+      ``{name: float64 array [B]}``.
+
+    Raises:
+      ValueError: ``params`` fit the data neither as one model nor as ``[B, ...]`` models.
+    """
+    num = len(keys)
     at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+    leaves = jax.tree.leaves(params)
+    first = at(data, 0)
+    stacked = all(jnp.ndim(a) >= 1 and jnp.shape(a)[0] == num for a in leaves)
+    if stacked and _fits(loss, at(params, 0), first):
+        member_params = lambda b: at(params, b)
+    elif _fits(loss, params, first):  # one model: every member starts from it
+        member_params = lambda b: params
+    else:
+        shapes = jax.tree.map(lambda a: tuple(jnp.shape(a)), params)
+        raise ValueError(
+            f"params do not fit the data, neither as one model nor as {num} stacked models "
+            f"[B={num}, ...]: params of shapes {shapes}, one client's x of shape "
+            f"{first.x.shape[1:]}"
+        )
     rates = [
-        default_rates(loss, at(params, b), at(data, b), clients_per_round, key=keys[b])
-        for b in range(len(keys))
+        default_rates(loss, member_params(b), at(data, b), clients_per_round, key=keys[b])
+        for b in range(num)
     ]
     return {k: np.array([r[k] for r in rates]) for k in rates[0]}
 

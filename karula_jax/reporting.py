@@ -8,6 +8,8 @@
 * :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_client_triplet` write PNGs;
   :func:`machine` names the device a benchmark ran on.
 
+Every writer creates the missing folders of its path.
+
 Host-side numpy; statistics come from :mod:`karula_jax.stats`. matplotlib (the
 ``experiments`` extra) is imported only when a figure is drawn.
 """
@@ -170,6 +172,13 @@ def keyword_option(fn: Callable, exclude: Sequence[str] = ()) -> Callable[[str],
     return parse
 
 
+def _writable(path) -> pathlib.Path:
+    """``path`` as a Path whose parent folder exists (created with its parents if needed)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_table(
     rows: Sequence[Mapping[str, Any]],
     columns: Sequence[tuple[str, str]],
@@ -184,7 +193,8 @@ def write_table(
     Args:
       rows: one mapping per row; a measured key ``k`` comes with ``k + "_2se"``.
       columns: ``(key, header)`` pairs in display order.
-      path: the two files' path without suffix (``out / "table"``).
+      path: the two files' path without suffix (``out / "table"``); missing folders
+        are created.
       title: heading of the Markdown file.
       notes: lines under the Markdown table.
       digits: decimals per key (default 3).
@@ -193,7 +203,7 @@ def write_table(
     fields = []
     for key, _ in columns:
         fields += [key] + ([key + "_2se"] if any(key + "_2se" in r for r in rows) else [])
-    with open(f"{path}.csv", "w", newline="") as fh:
+    with open(_writable(f"{path}.csv"), "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows({k: r.get(k, "") for k in fields} for r in rows)
@@ -208,7 +218,7 @@ def write_table(
     lines += ["| " + " | ".join(cell(r, k) for k, _ in columns) + " |" for r in rows]
     table = "\n".join(lines)
     parts = ([f"# {title}", ""] if title else []) + [table] + ([""] + list(notes) if notes else [])
-    pathlib.Path(f"{path}.md").write_text("\n".join(parts) + "\n")
+    _writable(f"{path}.md").write_text("\n".join(parts) + "\n")
     return table
 
 
@@ -222,7 +232,7 @@ def publish(text: str, out: pathlib.Path, *, quick: bool) -> None:
     """Prints a bench's report and writes it to ``out`` unless it was a quick run."""
     print(text)
     if not quick:
-        out.write_text(text + "\n")
+        _writable(out).write_text(text + "\n")
 
 
 def machine() -> str:
@@ -247,14 +257,15 @@ def run_header(module: str, argv: Sequence[str] | None, cfg: Any) -> str:
 
 
 def write_json(obj: Any, path: pathlib.Path) -> None:
-    """Writes ``obj`` as indented JSON (numpy scalars and arrays become lists)."""
+    """Writes ``obj`` as indented JSON (numpy scalars and arrays become lists); missing
+    folders of ``path`` are created."""
 
     def default(o):
         if isinstance(o, np.ndarray | np.generic):
             return o.tolist()
         raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
-    pathlib.Path(path).write_text(json.dumps(obj, indent=2, default=default) + "\n")
+    _writable(path).write_text(json.dumps(obj, indent=2, default=default) + "\n")
 
 
 def _pyplot():
@@ -278,7 +289,7 @@ def plot_heatmaps(matrices, titles, path, *, suptitle: str = "") -> None:
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     if suptitle:
         fig.suptitle(suptitle, fontsize=11)
-    fig.savefig(path, dpi=120)
+    fig.savefig(_writable(path), dpi=120)
     plt.close(fig)
 
 
@@ -305,7 +316,7 @@ def plot_curves(rounds, curves, path, *, panels, title: str | None = None) -> No
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(_writable(path), dpi=130)
     plt.close(fig)
 
 
@@ -372,6 +383,6 @@ def plot_client_triplet(data, names, D, path, *, seed=7, invert=False, roles=Non
             a.set(xticks=[], yticks=[])
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    fig.savefig(_writable(path), dpi=130, bbox_inches="tight")
     plt.close(fig)
     return trio

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import pkgutil
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from karula_jax import embedding, models, projection, training
+import karula_jax as kj
+from karula_jax import embedding, models, projection, protocol, reporting, training
 from karula_jax.algorithms import fedavg, fedsgd, ifca, karula, lipschitz_ridge, local, pfedme
 from karula_jax.data import ClientData, client_weights, from_client_arrays, synthetic_ridge
 from karula_jax.data.heart_disease import load_heart_disease, read_heart_disease_file
@@ -518,6 +520,10 @@ CASES = [
     ("project method dykstra_parallel (dropped)",
      lambda p: projection.project(jnp.zeros((N, DIM)), jnp.ones((N, N)),
                                   method="dykstra_parallel"), ValueError, "method"),
+    ("member_default_rates params of another model",
+     lambda p: protocol.member_default_rates(
+         LOSS, jnp.zeros(DIM + 1), jax.tree.map(lambda a: a[None], DATA), 2, KEY[None]),
+     ValueError, r"params do not fit the data, neither as one model nor as 1 stacked"),
     ("save_checkpoint rounds_done negative",
      lambda p: training.save_checkpoint(p / "c.npz", {"a": jnp.zeros(2)}, rounds_done=-1),
      ValueError, "rounds_done"),
@@ -641,3 +647,56 @@ def test_project_integer_v_gives_float_feasible_result():
     out = projection.project(v, jnp.ones((2, 2)))[0]
     assert jnp.issubdtype(out.dtype, jnp.floating)
     assert float(jnp.sum((out[0] - out[1]) ** 2)) <= 1.0 + 1e-5
+
+
+# --------------------------------------------------------------------------- issue 27
+
+
+def test_writers_create_missing_folders(tmp_path):
+    """write_table, write_json and publish write into folders that do not exist yet."""
+    deep = tmp_path / "a" / "b"
+    table = reporting.write_table([{"m": 1.0}], [("m", "M")], deep / "table", title="t")
+    assert "| M |" in table
+    assert (deep / "table.csv").read_text().splitlines() == ["m", "1.0"]
+    assert (deep / "table.md").read_text().startswith("# t")
+    reporting.write_json({"x": np.arange(2)}, tmp_path / "c" / "s.json")
+    assert json.loads((tmp_path / "c" / "s.json").read_text()) == {"x": [0, 1]}
+    reporting.publish("report", tmp_path / "d" / "r.md", quick=False)
+    assert (tmp_path / "d" / "r.md").read_text() == "report\n"
+
+
+def test_every_public_submodule_is_an_attribute():
+    """``import karula_jax as kj; kj.reporting.write_table`` (and every other public
+    submodule, at every depth) works without importing the submodule by name."""
+    names = [
+        m.name
+        for m in pkgutil.walk_packages(kj.__path__, "karula_jax.")
+        if not any(part.startswith("_") for part in m.name.split("."))
+    ]
+    assert "karula_jax.reporting" in names and "karula_jax.data.leaf" in names
+    for name in names:
+        obj = kj
+        for part in name.split(".")[1:]:
+            assert hasattr(obj, part), f"{name}: karula_jax has no attribute path to it"
+            obj = getattr(obj, part)
+    top = {n.split(".")[1] for n in names}
+    assert top <= set(kj.__all__), sorted(top - set(kj.__all__))
+
+
+def test_member_default_rates_broadcasts_one_model():
+    """One model without the member axis gives the rates of that model stacked per member."""
+    rng = np.random.default_rng(0)
+    sets = [
+        from_client_arrays([rng.normal(size=(3, DIM)) for _ in range(2)],
+                           [rng.normal(size=3) for _ in range(2)])
+        for _ in range(2)
+    ]  # fmt: skip
+    data = protocol.stack_datasets(sets)
+    keys = jax.random.split(KEY, 2)
+    one = protocol.member_default_rates(LOSS, jnp.ones(DIM), data, 2, keys)
+    stacked = protocol.member_default_rates(LOSS, jnp.ones((2, DIM)), data, 2, keys)
+    assert set(one) == set(stacked)
+    for name in one:
+        assert one[name].shape == (2,)
+        np.testing.assert_array_equal(one[name], stacked[name])
+    assert one["fedavg"][0] != one["fedavg"][1]  # each member's own data
