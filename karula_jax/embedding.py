@@ -409,6 +409,11 @@ def embed(
     Returns:
       :class:`EmbedOutput` with maps ``[n, N0, dz]`` and per-client diagnostics;
       ``iterations`` counts both runs.
+
+    Raises:
+      ValueError: bad arguments, NaN/inf data or reference, or (concrete inputs) a solve
+        that returned NaN/inf maps: ``epsilon`` too small for the data's cost scale (the
+        message gives the scale and a value of ``epsilon`` that suits it).
     """
     _check_solver_args(
         epsilon, threshold, max_iterations, inner_iterations, momentum_start, batch_size
@@ -428,7 +433,7 @@ def embed(
     check_finite("joint", joint)
     mask = jnp.arange(joint.shape[1])[None, :] < counts[:, None]
     weights = jnp.where(mask, 1.0 / counts[:, None].astype(jnp.float32), 0.0)
-    return _embed_batched(
+    out = _embed_batched(
         reference,
         joint,
         weights,
@@ -440,6 +445,36 @@ def embed(
         # A batch as large as the data is one vmap.
         batch_size=None if batch_size is None or batch_size >= joint.shape[0] else int(batch_size),
         return_plans=bool(return_plans),
+    )
+    _check_maps_finite(out.maps, joint, counts, reference, epsilon)
+    return out
+
+
+def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
+    """ValueError naming ``epsilon`` when a concrete solve returned NaN/inf maps.
+
+    The data and the reference are finite (checked before), so non-finite maps come from
+    an ``epsilon`` too small for the transport costs: float32 Sinkhorn divides cost
+    differences at rounding level by ``epsilon``. Skipped when traced.
+    """
+    m = concrete(maps)
+    if m is None or np.all(np.isfinite(m)):
+        return
+    bad = np.flatnonzero(~np.all(np.isfinite(m), axis=(1, 2))).tolist()
+    z, ref, cnt = np.asarray(joint, np.float64), np.asarray(reference, np.float64), concrete(counts)
+    costs_ = [np.linalg.norm(ref[:, None] - z[i, : cnt[i]][None], axis=-1) for i in range(len(z))]
+    flat = np.concatenate([c.ravel() for c in costs_])
+    scale, top = float(np.median(flat)), float(flat.max())
+    eps = concrete(epsilon)
+    shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+    raise ValueError(
+        f"epsilon={float(eps):.3g} is too small for the data's cost scale: the Sinkhorn "
+        f"solve of clients [{shown}] returned NaN or infinite maps. The transport costs "
+        f"between the reference and the clients' samples have median {scale:.3g} (largest "
+        f"{top:.3g}), {scale / float(eps):.3g} times epsilon, beyond what float32 Sinkhorn "
+        f"resolves. Use epsilon of about 0.005 times the median cost (here "
+        f"{0.005 * scale:.2g}; the default {DEFAULT_EPSILON} suits costs around 10), or "
+        "standardize the features."
     )
 
 
@@ -516,7 +551,8 @@ def dissimilarities(
 
     Raises:
       ValueError: on a bad ``num_reference``, ``epsilon``, ``norm``, a reference of the
-        wrong shape, NaN/infinite data or reference, or a missing key.
+        wrong shape, NaN/infinite data or reference, a missing key, or an ``epsilon`` too
+        small for the data's cost scale (see :func:`embed`).
     """
     if not isinstance(clients, ClientData):
         raise TypeError(f"clients must be a ClientData, got {type(clients).__name__}")

@@ -6,8 +6,9 @@ and that the message matches the regex, which always names the offending argumen
 The tests after the table check each class of fix of
 issue 11 on its own (ClientData validation, casts, subsets, empty clients, decoding).
 
-Shapes are tiny and every error is raised before anything is compiled (at most one
-abstract trace of a loss), so the file runs in seconds.
+Shapes are tiny and almost every error is raised before anything is compiled (at most one
+abstract trace of a loss; one small Sinkhorn solve for the epsilon case), so the file
+runs in seconds.
 """
 
 from __future__ import annotations
@@ -325,6 +326,12 @@ CASES = [
      ValueError, "joint contains NaN"),
     ("embed inf reference", lambda p: embedding.embed(JOINT, COUNTS, REF.at[0, 0].set(jnp.inf)),
      ValueError, "reference contains NaN or infinite"),
+    ("embed epsilon too small for the cost scale",  # one plain Sinkhorn compile
+     lambda p: embedding.embed(jnp.arange(JOINT.size).reshape(JOINT.shape) / 10.0, COUNTS,
+                               REF.at[:, 0].set(jnp.arange(5.0)), epsilon=1e-9, momentum_start=None,
+                               max_iterations=20, batch_size=None),
+     ValueError, r"epsilon=1e-09 is too small for the data's cost scale.*median.*"
+                 r"Use epsilon of about"),
     ("embed batch_size 0", lambda p: embedding.embed(JOINT, COUNTS, REF, batch_size=0),
      ValueError, "batch_size"),
     ("embed inner_iterations 0",
