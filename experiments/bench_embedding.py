@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from experiments.report import DATA_DIR, RESULTS, markdown_table, publish
+from experiments.report import DATA_DIR, OUTPUT, markdown_table, publish
 from karula_jax.data import load_leaf, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.evaluation import exact_pairwise_w1, pairwise_sq_distances, spearman_offdiag
@@ -29,7 +29,8 @@ class EmbeddingBenchConfig:
     """``embedding.dissimilarities`` (D) against exact pairwise W1: old vs new solver.
 
     Command: ``python -m experiments.bench_embedding [--data-dir PATH]`` writes
-    ``results/bench/embedding.md`` (about 5 min on 2 CPU cores); ``--quick`` only prints,
+    ``runs/bench/embedding.md`` (``--out results/bench/embedding.md`` refreshes the committed
+    page; about 5 min on 2 CPU cores); ``--quick`` only prints,
     on 30 synthetic ridge clients at epsilon 1 and a 300-client memory run (about 30 s).
 
     Expected: synthetic n = 200 at epsilon 0.05: the default solver (adaptive momentum,
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
     parser.add_argument("--data-dir", type=pathlib.Path, default=DATA_DIR)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "bench/embedding.md")
+    parser.add_argument("--out", type=pathlib.Path, default=OUTPUT / "bench/embedding.md")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else EmbeddingBenchConfig()
     rows, large = bench(cfg, args.data_dir)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, markdown_table, publish
+from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import projection
 from karula_jax.training import progress_bar
 
@@ -23,7 +23,8 @@ class ProjectionBenchConfig:
     """Both solvers in float32 and float64 against cvxpy + Clarabel, then large n alone.
 
     Command: ``python -m experiments.bench_projection`` writes
-    ``results/bench/projection.md`` (5-10 min on 2 CPU cores, most of it cvxpy at
+    ``runs/bench/projection.md`` (``--out results/bench/projection.md`` refreshes the committed
+    page; 5-10 min on 2 CPU cores, most of it cvxpy at
     (30, 1010)); ``--quick`` only prints (about 20 s).
 
     A robustness table follows: both solvers on random instances of many kinds and sizes
@@ -205,7 +206,7 @@ def bench(cfg: ProjectionBenchConfig) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "bench/projection.md")
+    parser.add_argument("--out", type=pathlib.Path, default=OUTPUT / "bench/projection.md")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else ProjectionBenchConfig()
     rows, robust = bench(cfg), robustness(cfg)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, markdown_table, publish
+from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection, training
 from karula_jax.data import client_weights, random_classification
@@ -23,9 +23,9 @@ from karula_jax.reporting import cli, machine
 class RoundsConfig:
     """FEMNIST-sized rounds: ``training.run`` against an eager loop and a loop+jit.
 
-    Command: ``python -m experiments.bench_rounds`` writes ``results/bench/rounds.md``
-    (3-6 min on 2 busy CPU cores, most of it the eager loop); ``--quick`` only prints
-    (about 1 min).
+    Command: ``python -m experiments.bench_rounds`` writes ``runs/bench/rounds.md``
+    (``--out results/bench/rounds.md`` refreshes the committed page; 3-6 min on 2 busy CPU
+    cores, most of it the eager loop); ``--quick`` only prints (about 1 min).
 
     Expected: a compiled Karula round (t = 1e-4) 13-20x faster than the eager loop, FedAvg
     about 100x; eager and compiled parameters equal to 1e-7; the projection 40-55% of a
@@ -202,7 +202,7 @@ def to_markdown(cfg, quick, rows, proj_rows) -> str:
 
 
 def main(argv=None) -> None:
-    out = RESULTS / "bench/rounds.md"
+    out = OUTPUT / "bench/rounds.md"
     cfg, args = cli(RoundsConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
     publish(to_markdown(cfg, args.quick, *bench(cfg)), args.out, quick=args.quick)
 

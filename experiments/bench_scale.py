@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, markdown_table, publish
+from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection
 from karula_jax.data import random_classification
@@ -24,7 +24,8 @@ class ScaleConfig:
     """FEMNIST-shaped rounds of FedAvg and Karula (default projection) for growing n.
 
     Command: ``python -m experiments.bench_scale [--FIELD VALUE ...] [--out FILE]`` writes
-    ``results/bench/scale.md``; ``--quick`` prints n = 30, 100 only (about 1 min).
+    ``runs/bench/scale.md`` (``--out results/bench/scale.md`` refreshes the committed page);
+    ``--quick`` prints n = 30, 100 only (about 1 min).
 
     Expected: 3 min on 2 CPU cores or one H100. Karula 0.8-1.4x a FedAvg round at t = 20
     and at the stress t from n = 300 on (CPU; 3 timed rounds from n = 1000, so noisy); at
@@ -178,7 +179,7 @@ def to_markdown(cfg, argv, rows) -> str:
 
 
 def main(argv=None) -> None:
-    out = RESULTS / "bench/scale.md"
+    out = OUTPUT / "bench/scale.md"
     cfg, args = cli(ScaleConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
     rows = []
     for n in progress_bar(cfg.sizes, desc="n"):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, markdown_table, publish
+from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax.data import synthetic_ridge
 from karula_jax.models import ridge_loss
@@ -21,7 +21,8 @@ class SolversConfig:
     """Ridge Karula runs, seeds x a t grid vmapped, once with each projection solver.
 
     Command: ``python -m experiments.bench_solvers [--FIELD VALUE ...]`` writes
-    ``results/bench/solvers.md``; ``--quick`` prints one small case.
+    ``runs/bench/solvers.md`` (``--out results/bench/solvers.md`` refreshes the committed page);
+    ``--quick`` prints one small case.
 
     Expected: 7 min on 2 CPU cores. At n = 4 Dykstra is 1.3x faster; from n = 6 the
     Laplacian dual is (2x at n = 6, 16x at n = 30); both miss their tolerance in a few
@@ -106,7 +107,7 @@ HEAD = (
 
 
 def main(argv=None) -> None:
-    out = RESULTS / "bench/solvers.md"
+    out = OUTPUT / "bench/solvers.md"
     cfg, args = cli(SolversConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
     rows = []
     for case in progress_bar(cfg.cases, desc="cases"):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import DATA_DIR, RESULTS
+from experiments.report import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
 from karula_jax.data import ClientData, client_weights, load_leaf
@@ -35,7 +35,8 @@ class Config:
     """One FEMNIST run.
 
     Command: ``python -m experiments.femnist [--data-dir PATH] [--FIELD VALUE ...]
-    [--quick] [--out DIR] [--tag NAME]``; ``results/femnist/`` holds the defaults (the
+    [--quick] [--out DIR] [--tag NAME]`` writes ``runs/femnist/`` (``--out results/femnist``
+    refreshes the committed pages); ``results/femnist/`` holds the defaults (the
     paper's rates on LEAF's pixels), ``--invert --tag invert_paper``, ``--invert
     --rate-scale 10 --tag invert_x10`` and ``--invert --rates default --tag
     invert_default``.
@@ -197,7 +198,7 @@ def main(argv=None) -> dict:
         argv,
         quick=quick_config,
         description=__doc__,
-        out=RESULTS / "femnist",
+        out=OUTPUT / "femnist",
         tag=dict(default="", help="suffix of the output file names"),
     )
     if cfg.rounds % cfg.eval_every:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import DATA_DIR, RESULTS
+from experiments.report import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
 from karula_jax.data import ClientData, load_heart_disease
@@ -30,7 +30,8 @@ class Config:
     """One heart-disease run.
 
     Command: ``python -m experiments.heart_disease [--data-dir PATH] [--seeds S] [--rounds R]
-    [--quick] [--out DIR]`` (defaults write ``results/heart_disease/``).
+    [--quick] [--out DIR]`` writes ``runs/heart_disease/``
+    (``--out results/heart_disease`` refreshes the committed page).
 
     Expected (10 splits, mean per-hospital test accuracy): Local 0.836, Karula 0.828 (t = 0.3
     chosen by CV in every split), pFedMe 0.804, IFCA 0.803, FedSGD 0.797, FedAvg 0.797.
@@ -124,7 +125,7 @@ def _folds(train: ClientData, K: int) -> np.ndarray:
 def main(argv=None) -> dict:
     """Command-line entry point (see :class:`Config`); returns the summary."""
     cfg, args = reporting.cli(
-        Config, argv, quick=quick_config, description=__doc__, out=RESULTS / "heart_disease"
+        Config, argv, quick=quick_config, description=__doc__, out=OUTPUT / "heart_disease"
     )
     return run_experiment(cfg, args.out)
 

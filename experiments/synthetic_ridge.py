@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS
+from experiments.report import OUTPUT
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax import protocol, reporting
@@ -37,9 +37,10 @@ DIAGNOSTICS = ("Karula, true D (diagnostic)", "Karula, population D (diagnostic)
 class SyntheticConfig:
     """One run of the synthetic study.
 
-    Command: ``python -m experiments.synthetic_ridge`` (writes ``results/synthetic/``);
+    Command: ``python -m experiments.synthetic_ridge`` (writes ``runs/synthetic/``;
+    ``--out results/synthetic`` refreshes the committed page);
     ``--quick`` (smoke run, < 60 s), ``--diagnostics`` (also Karula on the true and on a
-    population D, writes ``results/synthetic_diagnostics/``), ``--seeds S``, ``--out DIR``,
+    population D, writes ``runs/synthetic_diagnostics/``), ``--seeds S``, ``--out DIR``,
     ``--generator NAME=VALUE`` (a keyword of :func:`karula_jax.data.synthetic_ridge`).
 
     Expected (10 seeds, estimation error / test R^2, mean over seeds): Local 22.6 / 0.800,
@@ -422,7 +423,7 @@ def main(argv: Sequence[str] | None = None):
     if args.sensitivity and "--seeds" not in flags:
         cfg = dataclasses.replace(cfg, seeds=5)
     mode = "sensitivity" if args.sensitivity else "diagnostics" if cfg.diagnostics else ""
-    out = args.out or RESULTS / "_".join(["synthetic", mode] if mode else ["synthetic"])
+    out = args.out or OUTPUT / "_".join(["synthetic", mode] if mode else ["synthetic"])
     if args.sensitivity:
         return run_sensitivity(cfg, out)
     if args.out is not None:  # the output folder is not part of what was run
