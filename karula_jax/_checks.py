@@ -2,8 +2,12 @@
 
 Every public function checks its arguments with these and raises a ``ValueError`` or
 ``TypeError`` whose message names the argument and says what was expected. Values that
-are traced (inside ``jit``/``vmap``/``grad``) cannot be inspected: the checks of values
-are skipped for them, the checks of shapes and dtypes are not.
+are traced (inside ``jit``/``vmap``/``grad``) cannot be inspected: the checks of shapes
+and dtypes still run, and the checks of values are *deferred*: inside a
+:func:`deferred_checks` block each becomes a traced flag ``(message, ok)`` that the code
+which opened the block returns from its program and reports (the batched runner does so
+for the factory arguments it passes traced, see ``karula_jax.training.batched``); outside
+such a block they are skipped.
 
 This module imports nothing from ``karula_jax`` so that every subpackage can use it.
 The names below are stable:
@@ -15,9 +19,14 @@ The names below are stable:
 * :func:`check_real_array`: numeric, not complex (and optionally floating).
 * :func:`check_floating_dtype`: a dtype argument that must be floating.
 * :func:`check_key`: one PRNG key.
+* :func:`deferred_checks`, :func:`defer`: value checks of traced arguments, as flags.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +42,62 @@ __all__ = [
     "check_positive_int",
     "check_real_array",
     "concrete",
+    "defer",
+    "deferred_checks",
     "is_concrete",
 ]
+
+# The open deferred_checks blocks of this thread, innermost last.
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[list[tuple[str, jax.Array]]]:
+    """Collects the value checks of traced arguments made inside the block.
+
+    Yields a list that fills with ``(message, ok)`` pairs, one per check that a traced
+    value made (``message``: what is wrong when ``ok`` is False, naming the argument;
+    ``ok``: a traced bool scalar). Open it around code that builds something from traced
+    arguments (an algorithm factory called inside ``jit``/``vmap``) and return the flags
+    from the same trace; a check made inside a nested transformation of the block's code
+    must not be recorded (its flag would be a tracer of that inner trace).
+    """
+    stack = _DEFERRED.__dict__.setdefault("stack", [])
+    found: list[tuple[str, jax.Array]] = []
+    stack.append(found)
+    try:
+        yield found
+    finally:
+        stack.pop()
+
+
+def defer(message: str, ok) -> None:
+    """Records a check of a traced value in the innermost :func:`deferred_checks` block.
+
+    Args:
+      message: what is wrong when the check fails, naming the argument (e.g.
+        ``"dissimilarity D contains NaN"``).
+      ok: bool array (reduced with ``all``), True when the value passes.
+
+    Outside a block nothing is recorded (the check is skipped, as before).
+    """
+    stack = getattr(_DEFERRED, "stack", None)
+    if stack:
+        stack[-1].append((message, jnp.all(jnp.asarray(ok, bool))))
+
+
+def _defer_range(name: str, value, *, positive: bool, allow_inf: bool) -> None:
+    """The deferred form of the checks of :func:`check_nonnegative`/:func:`check_positive`."""
+    x = jnp.asarray(value)
+    if not jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return  # a dtype error is raised by the concrete checks; nothing to defer
+    defer(f"{name} is NaN", ~jnp.isnan(x))
+    if positive:
+        defer(f"{name} is <= 0 (it must be > 0)", ~(x <= 0))
+    else:
+        defer(f"{name} is negative (it must be >= 0)", ~(x < 0))
+    if not allow_inf:
+        defer(f"{name} is infinite (it must be finite)", ~jnp.isinf(x))
 
 
 def concrete(x) -> np.ndarray | None:
@@ -67,7 +130,7 @@ def _real_scalar(name: str, value) -> float | None:
 
 
 def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
-    """Checks that a real scalar is ``>= 0`` and not NaN (skipped when traced).
+    """Checks that a real scalar is ``>= 0`` and not NaN (deferred when traced).
 
     Args:
       name: the argument's name, used in the message.
@@ -80,6 +143,7 @@ def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
     """
     v = _real_scalar(name, value)
     if v is None:
+        _defer_range(name, value, positive=False, allow_inf=allow_inf)
         return
     if np.isnan(v) or v < 0 or (np.isinf(v) and not allow_inf):
         expected = ">= 0 (may be inf)" if allow_inf else "finite and >= 0"
@@ -87,7 +151,7 @@ def check_nonnegative(name: str, value, *, allow_inf: bool = False) -> None:
 
 
 def check_positive(name: str, value) -> None:
-    """Checks that a real scalar is finite and ``> 0`` (skipped when traced).
+    """Checks that a real scalar is finite and ``> 0`` (deferred when traced).
 
     Raises:
       TypeError: not a real scalar.
@@ -95,6 +159,7 @@ def check_positive(name: str, value) -> None:
     """
     v = _real_scalar(name, value)
     if v is None:
+        _defer_range(name, value, positive=True, allow_inf=False)
         return
     if not (np.isfinite(v) and v > 0):
         raise ValueError(f"{name} must be finite and > 0, got {v}")
@@ -116,9 +181,13 @@ def check_positive_int(name: str, value) -> int:
 
 
 def check_finite(name: str, array) -> None:
-    """ValueError when a concrete numeric ``array`` holds NaN or inf (skipped when traced)."""
+    """ValueError when a concrete numeric ``array`` holds NaN or inf (deferred when traced)."""
     a = concrete(array)
-    if a is None or not np.issubdtype(a.dtype, np.number):
+    if a is None:
+        if jnp.issubdtype(jnp.result_type(array), jnp.inexact):
+            defer(f"{name} contains NaN or infinite values", jnp.isfinite(array))
+        return
+    if not np.issubdtype(a.dtype, np.number):
         return
     if not np.all(np.isfinite(a)):
         raise ValueError(f"{name} contains NaN or infinite values")

@@ -13,6 +13,7 @@ runs in seconds.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import pkgutil
@@ -125,6 +126,13 @@ def _checkpoint_bad_meta(p):
     path = p / "checkpoint.npz"
     np.savez(path, meta=np.array("{not json"))
     return training.load_checkpoint(path, {"a": jnp.zeros(2)})
+
+
+def _checkpoint_of_fedavg(p):
+    path = p / "checkpoint.npz"
+    meta = {"algorithm_name": "fedavg"}
+    training.save_checkpoint(path, {"a": jnp.zeros(2)}, rounds_done=1, extra_meta=meta)
+    return training.load_checkpoint(path, {"b": jnp.zeros(3)}, algorithm="karula")
 
 
 # --------------------------------------------------------------------------- the table
@@ -507,6 +515,8 @@ CASES = [
         data_per_seed=True), ValueError, "data_per_seed"),
     ("checkpoint garbage file", _garbage_checkpoint, ValueError, r"checkpoint\.npz"),
     ("checkpoint meta not JSON", _checkpoint_bad_meta, ValueError, r"checkpoint\.npz"),
+    ("checkpoint of another algorithm", _checkpoint_of_fedavg, ValueError,
+     r"checkpoint\.npz was written by fedavg, this run is karula"),
     ("project v with NaN",
      lambda p: projection.project(jnp.zeros((N, DIM)).at[0, 0].set(jnp.nan), jnp.ones((N, N))),
      ValueError, "v: leaf 0"),
@@ -707,3 +717,121 @@ def test_member_default_rates_broadcasts_one_model():
         assert one[name].shape == (2,)
         np.testing.assert_array_equal(one[name], stacked[name])
     assert one["fedavg"][0] != one["fedavg"][1]  # each member's own data
+
+
+# ---- traced arguments: every argument protocol passes through run_many's batch_kwargs/hyper
+
+MEMBERS = jax.tree.map(lambda a: jnp.stack([a, a]), DATA)  # two batch members
+GOOD_KWARGS = {
+    "D": jnp.stack([D, D]),
+    "labels": jnp.array([[[0, 0, 1], [0, 1, 2]]] * 2, jnp.int32),  # [B, choices, n]
+    "clusters": jnp.zeros((2, 2, DIM)),  # IFCA's initial clusters [B, k, d]
+    "L_f": jnp.ones(2),
+    "L_max": jnp.ones(2),
+}
+GRIDS = {"IFCA": (2,), "pFedMe": (1.0, 2.0), "Karula": (0.0, 1.0, float("inf")),
+         "FedProx": (0.1, 1.0), "Ditto": (1.0, 2.0), "Laplacian penalty on D": (1.0, 2.0),
+         "Clustered FedAvg on D": (2, 3)}  # fmt: skip
+SUITE_READS = {  # the member arguments each method's factory (or its rates) reads
+    "Local": ["L_f"], "FedSGD": ["L_f"], "FedAvg": ["L_max"], "IFCA": ["L_max", "clusters"],
+    "pFedMe": ["L_max"], "Karula": ["D", "L_f"], "FedProx": ["L_max"], "SCAFFOLD": ["L_max"],
+    "Ditto": ["L_max"], "Laplacian penalty on D": ["D", "L_f"],
+    "Clustered FedAvg on D": ["labels", "L_max"],
+}  # fmt: skip
+PLANTED = {  # a bad value of member 1 and what the error must say
+    "D": (lambda a: a.at[1, 0, 2].set(jnp.nan).at[1, 2, 0].set(jnp.nan),
+          r"dissimilarity D contains NaN in batch member 1"),
+    "L_f": (lambda a: a.at[1].set(jnp.nan), r"learning_rate is NaN in batch member 1"),
+    "L_max": (lambda a: a.at[1].set(jnp.nan), r"learning_rate is NaN in batch member 1"),
+    "labels": (lambda a: a.at[1, :, 0].set(-1), r"labels are negative .*in batch member 1"),
+    "clusters": (lambda a: a.at[1, 0, 0].set(jnp.inf),
+                 r"initial_clusters contains NaN or infinite values in batch member 1"),
+}  # fmt: skip
+
+
+def _suite(names, grids=GRIDS):
+    rates = protocol.smoothness_rates(karula=0.5, fedavg=0.5, ifca=0.5, personal=0.5,
+                                      num_clients=N)  # fmt: skip
+    return protocol.method_suite(LOSS, rates, names=names, grids=grids, clients_per_round=2,
+                                 batch_size=2, local_steps=1)  # fmt: skip
+
+
+def _run_method(method, kwargs):
+    """What cross_validate runs for one method, stopped at the first round."""
+    return training.run_many(
+        functools.partial(method.make, **(method.static_grid or [{}])[0]), THETA, MEMBERS,
+        keys=jax.random.split(KEY, 2), num_rounds=1, hyper=method.grid or None,
+        data_per_seed=True, batch_kwargs=kwargs, progress=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "arg"), [(m, a) for m, args in SUITE_READS.items() for a in args])
+def test_traced_member_argument_is_checked(name, arg):
+    """A bad value that protocol passes traced (batch_kwargs) is refused before any round,
+    naming the argument and the member, for every method of the suite (issue 27)."""
+    assert set(SUITE_READS) == set(protocol.SUITE)
+    plant, match = PLANTED[arg]
+    method = _suite((name,))[name]
+    with pytest.raises(ValueError, match=match) as err:
+        _run_method(method, {**GOOD_KWARGS, arg: plant(GOOD_KWARGS[arg])})
+    assert "Nothing was run" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("Karula", -1.0, r"t is negative \(it must be >= 0\) in grid point 1"),
+        ("Karula", float("nan"), r"t is NaN in grid point 1.*hyper\['t'\]\[1\] is NaN"),
+        ("pFedMe", 0.0, r"lam is <= 0 \(it must be > 0\) in grid point 1"),
+        ("FedProx", -1.0, r"mu is negative .*in grid point 1"),
+        ("Ditto", float("nan"), r"lam is NaN in grid point 1"),
+        ("Laplacian penalty on D", float("nan"), r"mu is NaN in grid point 1"),
+    ],
+)
+def test_traced_grid_value_is_checked(name, value, match):
+    """A bad value of a traced grid (hyper) is refused naming the argument and point."""
+    grids = {**GRIDS, name: (1.0, value)}
+    with pytest.raises(ValueError, match=match):
+        _run_method(_suite((name,), grids)[name], GOOD_KWARGS)
+
+
+def test_traced_checks_match_the_concrete_ones():
+    """Every value the factories refuse concretely is reported when it arrives traced, and
+    the values they accept (t = inf, D with inf, a zero step) run."""
+    make = lambda D, t, lr: karula(LOSS, D, t=t, learning_rate=lr, clients_per_round=2,
+                                   batch_size=2)  # fmt: skip
+    cases = [  # (D, t, learning_rate) of member 1, concrete message, traced message
+        (-D, 1.0, 0.1, "D must be >= 0", "dissimilarity D has negative entries"),
+        (D.at[0, 1].set(3.0), 1.0, 0.1, "D must be symmetric", "dissimilarity D is not symmetric"),
+        (D, 1.0, float("inf"), "learning_rate must be finite", "learning_rate is infinite"),
+        (D, 1.0, -0.1, "learning_rate must be finite and >= 0", "learning_rate is negative"),
+        (D, float("nan"), 0.1, "t must be", "t is NaN"),
+    ]
+    for bad_D, t, lr, concrete, traced in cases:
+        with pytest.raises(ValueError, match=concrete):
+            make(bad_D, t, lr)
+        kw = {"D": jnp.stack([D, bad_D]), "t": jnp.array([1.0, t]), "lr": jnp.array([0.1, lr])}
+        with pytest.raises(ValueError, match=traced + ".* in batch member 1"):
+            training.vmap_algorithm(make, batch_kwargs=kw)
+    ok = {"D": jnp.stack([D, D.at[0, 2].set(jnp.inf).at[2, 0].set(jnp.inf)]),
+          "t": jnp.array([jnp.inf, 1.0]), "lr": jnp.array([0.0, 0.1])}  # fmt: skip
+    training.vmap_algorithm(make, batch_kwargs=ok)  # no error
+
+
+def test_checkpoint_of_another_algorithm_is_refused_by_name(tmp_path):
+    """The checkpoint names the algorithm that wrote it; another algorithm's resume is
+    refused by that name, before any shape is compared (issue 27)."""
+    opts = dict(key=KEY, num_rounds=1, checkpoint_dir=tmp_path, progress=False)
+    training.run(ALGOS["local"](), THETA, DATA, **opts)
+    with np.load(tmp_path / training.CHECKPOINT_NAME) as z:  # the JSON header
+        assert json.loads(str(z["meta"]))["algorithm_name"] == "local"
+    with pytest.raises(ValueError, match=r"was written by local, this run is karula"):
+        training.run(ALGOS["karula"](), THETA, DATA, **{**opts, "num_rounds": 2}, resume=True)
+    with pytest.raises(ValueError, match=r"was written by local, this run is fedsgd"):
+        training.run(ALGOS["fedsgd"](), THETA, DATA, **{**opts, "num_rounds": 2}, resume=True)
+    batched = lambda: training.run_many(  # noqa: E731
+        lambda: ALGOS["local"](), THETA, DATA, keys=jax.random.split(KEY, 2),
+        num_rounds=2, checkpoint_dir=tmp_path, resume=True, progress=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"by local, this run is local \(batched by run_many\)"):
+        batched()

@@ -27,11 +27,13 @@ import numpy as np
 from jax import lax
 
 from karula_jax._checks import (
+    check_finite,
     check_key,
     check_nonnegative,
     check_positive,
     check_positive_int,
     concrete,
+    defer,
 )
 from karula_jax.algorithms.base import FedState, RoundInfo
 from karula_jax.data.clients import ClientData, client_weights
@@ -41,6 +43,7 @@ __all__ = [
     "all_finite",
     "broadcast",
     "check_clients_per_round",
+    "check_finite",
     "client_keys",
     "client_mean",
     "graph_laplacian",
@@ -53,6 +56,7 @@ __all__ = [
     "check_weights",
     "client_batch",
     "concrete",
+    "defer",
     "gather",
     "init_and_run_keys",
     "local_sgd",
@@ -83,11 +87,15 @@ def check_clients_per_round(s: int, n: int) -> None:
 
 
 def check_weights(weights, n: int | None = None) -> None:
-    """Client weights: shape ``[n]``, finite, >= 0, not all 0 (when concrete)."""
+    """Client weights: shape ``[n]``, finite, >= 0, not all 0 (deferred when traced)."""
     if weights is None:
         return
     w = concrete(weights)
     if w is None:
+        w = jnp.asarray(weights)
+        defer("weights contain NaN or infinite values", jnp.isfinite(w))
+        defer("weights are negative (they must be >= 0)", ~(w < 0))
+        defer("weights are all zero", jnp.any(w > 0))
         return
     if w.ndim != 1 or (n is not None and w.shape[0] != n):
         want = f"[{n}]" if n is not None else "[n]"

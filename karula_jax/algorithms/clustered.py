@@ -198,7 +198,9 @@ def _check_labels(labels, n: int | None = None) -> None:
         want = f"[{n}]" if n is not None else "[n]"
         raise ValueError(f"labels must have shape {want} (one group per client), got {shape}")
     lab = C.concrete(labels)
-    if lab is not None and lab.size and lab.min() < 0:
+    if lab is None:
+        C.defer("labels are negative (they must be >= 0)", jnp.asarray(labels) >= 0)
+    elif lab.size and lab.min() < 0:
         raise ValueError(f"labels must be >= 0, found {lab.min()}")
 
 

@@ -108,6 +108,7 @@ def ifca(
                     f"initial_clusters leaves must have leading axis num_clusters={k}, "
                     f"got shape {jnp.shape(leaf)}"
                 )
+            C.check_finite("initial_clusters", leaf)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)

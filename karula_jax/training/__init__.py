@@ -17,7 +17,12 @@
 """
 
 from karula_jax.training.batched import product_grid, run_many, vmap_algorithm
-from karula_jax.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from karula_jax.training.checkpoint import (
+    CHECKPOINT_NAME,
+    algorithm_name,
+    load_checkpoint,
+    save_checkpoint,
+)
 from karula_jax.training.loop import RunResult, run, scan_rounds
 from karula_jax.training.progress import progress_bar
 from karula_jax.training.reports import (
@@ -31,6 +36,7 @@ __all__ = [
     "CHECKPOINT_NAME",
     "ProjectionNotConvergedWarning",
     "RunResult",
+    "algorithm_name",
     "client_mesh",
     "describe_diagnostics",
     "gather_to_host",

@@ -12,6 +12,13 @@ into the one chunk program. The batch has two kinds of axes:
 * the **grid** ``[G]`` (``hyper``): hyperparameter values crossed with every member,
   traced, so the grid costs no recompilation.
 
+A factory cannot raise on a traced argument, so before anything runs the factory is
+called once more on every member's and grid point's arguments inside a small compiled
+program that collects its deferred value checks (:func:`karula_jax._checks.deferred_checks`:
+a NaN or negative ``D``, a NaN, negative or infinite learning rate or ``t``...); a failed
+check is a ValueError naming the argument, the batch members and grid points, and the
+``batch_kwargs``/``hyper`` entries that hold NaN or inf there.
+
 :func:`vmap_algorithm` is the same batch as an :class:`~karula_jax.algorithms.base.Algorithm`
 (e.g. to call ``client_params`` on a batched final state); :func:`product_grid` builds
 grids.
@@ -27,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from karula_jax._checks import deferred_checks
 from karula_jax.algorithms.base import Algorithm
 from karula_jax.training import checkpoint as ckpt
 from karula_jax.training.loop import EvalFn, RunResult, run_chunks
@@ -116,6 +124,107 @@ def _check_batch_kwargs(
     return out
 
 
+def _factory_checks(
+    make_algorithm: Callable[..., Algorithm],
+    hyper: dict[str, jnp.ndarray],
+    grid: int | None,
+    kw: dict[str, Any],
+) -> str:
+    """Runs the factory's value checks on every member's traced arguments; its name.
+
+    ``make_algorithm(**kw_s, **h)`` is traced once, vmapped over the members (``kw``'s
+    leading axis) and the grid, inside a :func:`deferred_checks` block; the compiled
+    program returns the flags ``[S, G, k]`` of its ``k`` checks (only the checks
+    survive XLA's dead-code elimination, so it costs a small compilation).
+
+    Returns:
+      :func:`~karula_jax.training.checkpoint.algorithm_name` of the built algorithm.
+
+    Raises:
+      TypeError: ``make_algorithm`` does not return an Algorithm.
+      ValueError: a check failed, naming the argument, where, and the NaN/inf inputs.
+    """
+    names: list[str] = []
+    messages: list[str] = []
+
+    def one(kw_s, h):
+        with deferred_checks() as found:
+            alg = make_algorithm(**kw_s, **h)
+        if not isinstance(alg, Algorithm):
+            raise TypeError(f"make_algorithm must return an Algorithm, got {type(alg).__name__}")
+        names.append(ckpt.algorithm_name(alg))
+        messages[:] = [m for m, _ in found]
+        return jnp.stack([ok for _, ok in found]) if found else jnp.ones((0,), bool)
+
+    leaves = jax.tree.leaves(kw)
+    if not leaves and grid is None:  # nothing traced: the factory checks its values itself
+        one({}, {})
+        return names[0]
+    num_members = leaves[0].shape[0] if leaves else 1
+    per_grid = (
+        (lambda kw_s: one(kw_s, {}))
+        if grid is None
+        else (lambda kw_s: jax.vmap(lambda h: one(kw_s, h))(hyper))
+    )
+    flags = np.asarray(jax.jit(jax.vmap(per_grid, axis_size=num_members))(kw))
+    if grid is None:
+        flags = flags[:, None]  # [S, 1, k]
+    problems, seen = [], {}
+    for j, message in enumerate(messages):  # one line per message (a check may repeat)
+        seen[message] = seen.get(message, True) & flags[..., j]
+    bad_points = np.zeros(flags.shape[:2], bool)
+    for message, ok in seen.items():
+        if ok.all():
+            continue
+        bad_points |= ~ok
+        problems.append(f"{message} {_where(~ok, leaves != [], grid is not None)}")
+    if problems:
+        raise ValueError(
+            "make_algorithm got bad arguments through batch_kwargs or hyper (traced values, "
+            "which a factory cannot check itself): "
+            + "; ".join(problems)
+            + _nonfinite_inputs(kw, hyper, bad_points)
+            + ". Nothing was run."
+        )
+    return names[0]
+
+
+def _where(bad: np.ndarray, members: bool, grid: bool) -> str:
+    """``bad`` ``[S, G]`` as text: the batch members and/or grid points concerned."""
+    rows, cols = np.flatnonzero(bad.any(axis=1)), np.flatnonzero(bad.any(axis=0))
+    if members and (not grid or bad[rows].all()):  # whole members
+        what, pts = "batch member", rows.tolist()
+    elif not members or bad[:, cols].all():  # whole grid points
+        what, pts = "grid point", cols.tolist()
+    else:
+        what = "(batch member, grid point) pair"
+        pts = [tuple(map(int, p)) for p in np.argwhere(bad)]
+    if len(pts) == 1:
+        return f"in {what} {pts[0]}"
+    more = f" and {len(pts) - 8} more" if len(pts) > 8 else ""
+    return f"in {what}s {pts[:8]}{more}"
+
+
+def _nonfinite_inputs(kw: dict[str, Any], hyper: dict[str, Any], bad: np.ndarray) -> str:
+    """Which failing members' ``batch_kwargs`` and grid points' ``hyper`` hold NaN."""
+    found = []
+    members, points = np.flatnonzero(bad.any(axis=1)), np.flatnonzero(bad.any(axis=0))
+    for name, value in kw.items():
+        for s in members[:8]:
+            if _any_nan(leaf[s] for leaf in jax.tree.leaves(value)):
+                found.append(f"batch_kwargs[{name!r}] of member {int(s)} holds NaN")
+    for name, value in hyper.items():
+        for g in points[:8]:
+            if _any_nan([value[g]]):
+                found.append(f"hyper[{name!r}][{int(g)}] is NaN")
+    return " (" + "; ".join(found) + ")" if found else ""
+
+
+def _any_nan(arrays) -> bool:
+    arrays = [np.asarray(a) for a in arrays]
+    return any(np.issubdtype(a.dtype, np.inexact) and bool(np.isnan(a).any()) for a in arrays)
+
+
 def _members(
     make_algorithm: Callable[..., Algorithm],
     hyper: dict[str, jnp.ndarray],
@@ -195,9 +304,14 @@ def vmap_algorithm(
 
     Returns:
       The batched :class:`Algorithm`.
+
+    Raises:
+      ValueError: a value check of the factory fails on some member's or grid point's
+        traced arguments (see the module docstring).
     """
     hyper, grid = _check_hyper(hyper)
     kw = _check_batch_kwargs(batch_kwargs, hyper, None)
+    _factory_checks(make_algorithm, hyper, grid, kw)
     inner = _members(
         make_algorithm, hyper, grid, data_per_seed=data_per_seed, params_per_seed=params_per_seed
     )
@@ -364,7 +478,9 @@ def run_many(
     Raises:
       ValueError: a member axis that is not ``S`` long, a name both in ``batch_kwargs``
         and ``hyper``, an unknown ``shard``, a sharded axis the mesh size does not
-        divide, and everything :func:`run` raises.
+        divide, a factory argument that fails its check on some member or grid point
+        (``"dissimilarity D contains NaN in batch member 3"``, before anything runs;
+        see the module docstring), and everything :func:`run` raises.
       TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
     """
     unknown = sorted(set(run_kwargs) - set(_RUN_OPTIONS))
@@ -389,6 +505,7 @@ def run_many(
         _check_members("params_per_seed", params, num_members)
     hyper_arrays, grid = _check_hyper(hyper)
     kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
+    name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
     algorithm = _members(
         make_algorithm,
         hyper_arrays,
@@ -433,6 +550,7 @@ def run_many(
             "data": ckpt.content_hash(data),
             "batch_kwargs": ckpt.content_hash(kw) if kw else None,
         },
+        name=f"{name} (batched by run_many)",
         **options,
     )
     warn_unconverged(out.diagnostics, stacklevel=2)

@@ -5,7 +5,9 @@ header with the tree structure, shapes and dtypes. It is written to a temporary 
 moved into place with ``os.replace``, so a killed run never leaves a torn checkpoint (a
 temporary file left by a kill is removed by the next run on that directory).
 
-The header also holds fingerprints of the run: a hash of the traced ``init`` and ``round``
+The header names the algorithm that wrote it (:func:`algorithm_name`, e.g. ``karula``), so
+a resume with another algorithm is refused by name before the state's shapes are compared.
+It also holds fingerprints of the run: a hash of the traced ``init`` and ``round``
 programs together with the constants they close over (so another algorithm or other
 hyperparameters, traced grid values included, change it), sha256 hashes of the data, the
 initial model and (for :func:`~karula_jax.training.run_many`) the per-member factory
@@ -15,6 +17,7 @@ differ from its own and names what differs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,7 +34,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from karula_jax.algorithms.base import RoundInfo
 
-__all__ = ["CHECKPOINT_NAME", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "algorithm_name", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_NAME = "checkpoint.npz"
 # /2: RoundInfo.proj_converged, run fingerprints (algorithm, data content, params).
@@ -105,6 +108,22 @@ def _hash_jaxpr_consts(h, jaxpr) -> None:
                 _hash_jaxpr_consts(h, v)
             elif isinstance(v, tuple | list):
                 stack.extend(reversed(v))
+
+
+def algorithm_name(algorithm) -> str:
+    """A readable identity of an :class:`~karula_jax.algorithms.Algorithm`: its factory.
+
+    The name of the function that built ``algorithm.round`` (``karula``, ``fedavg``,
+    ``laplacian_penalty``...; prefixed with its module outside
+    ``karula_jax.algorithms``). Two algorithms of one factory share the name (their
+    hyperparameters are told apart by :func:`algorithm_fingerprint`).
+    """
+    fn = algorithm.round
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or "?"
+    factory = (getattr(fn, "__qualname__", None) or type(fn).__name__).split(".<locals>")[0]
+    return factory if module.startswith("karula_jax.algorithms.") else f"{module}.{factory}"
 
 
 def algorithm_fingerprint(init: Callable, round_: Callable, template, params, data, key) -> str:
@@ -241,13 +260,19 @@ def _entry(files: dict, name: str, shape: tuple | None = None) -> np.ndarray:
     return value
 
 
-def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict]:
+def load_checkpoint(
+    path: str | os.PathLike, like: Any, *, algorithm: str | None = None
+) -> tuple[Any, dict, dict]:
     """Reads a checkpoint written by :func:`save_checkpoint` into the structure of ``like``.
 
     Args:
       path: the ``.npz`` file.
       like: a pytree with the expected structure: arrays or ``jax.ShapeDtypeStruct``
         (e.g. from ``jax.eval_shape(algorithm.init, ...)``).
+      algorithm: the name of the algorithm expected to have written it
+        (:func:`algorithm_name`, stored by the driver as ``algorithm_name`` in the header);
+        a checkpoint naming another one is refused by name. ``None`` (or a checkpoint
+        without a name): not checked.
 
     Returns:
       ``(state, histories, meta)``: ``state`` has the structure of ``like`` (leaves as jax
@@ -257,8 +282,9 @@ def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict
     Raises:
       FileNotFoundError: if ``path`` does not exist.
       ValueError: naming ``path``, if the file is empty, truncated, corrupt or not such a
-        checkpoint (another format version, round-info fields of another version), or
-        its structure, shapes or dtypes differ from ``like``.
+        checkpoint (another format version, round-info fields of another version), it
+        was written by another algorithm than ``algorithm``, or its structure, shapes or
+        dtypes differ from ``like``.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -296,6 +322,13 @@ def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict, dict
             f"checkpoint {path} is corrupt or not a karula_jax checkpoint: {err}"
         ) from err.__cause__
 
+    writer = meta.get("algorithm_name")
+    if algorithm is not None and isinstance(writer, str) and writer != algorithm:
+        raise ValueError(
+            f"checkpoint {path} was written by {writer}, this run is {algorithm}: a "
+            "checkpoint resumes only the run that wrote it (use another checkpoint_dir, "
+            "or resume=False to start over)"
+        )
     if stored_treedef != str(treedef) or len(specs) != len(like_leaves):
         raise ValueError(
             f"checkpoint {path} holds a state of a different structure:\n"

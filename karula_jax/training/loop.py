@@ -307,13 +307,15 @@ def run_chunks(
     progress: bool,
     desc: str | None = None,
     fingerprints: Callable[[], Mapping[str, Any]] | None = None,
+    name: str | None = None,
 ) -> RunResult:
     """The loop of :func:`run` and :func:`run_many` (private; no warning at the end).
 
     ``eval_fn(algorithm.client_params(state, data), eval_data)`` is the metric program;
     ``placement`` puts data and state on a mesh; ``fingerprints()`` returns checkpoint
     fingerprints that replace or add to the default ones (``algorithm``, ``data``,
-    ``params``, ``chunk_size``, ``key``).
+    ``params``, ``chunk_size``, ``key``); ``name`` is the algorithm's name in the
+    checkpoint (default :func:`~karula_jax.training.checkpoint.algorithm_name`).
     """
     t_start = time.perf_counter()
     num_rounds = check_positive_int("num_rounds", num_rounds)
@@ -342,11 +344,13 @@ def run_chunks(
     init = _jitted_init(algorithm)
     ckpt_meta = {}
     if ckpt_path is not None:
+        name = ckpt.algorithm_name(algorithm) if name is None else name
         template = jax.eval_shape(init, params, data, key=key)
         if resume:  # first: a state of another structure cannot even be traced
-            state, hist, meta = ckpt.load_checkpoint(ckpt_path, template)
+            state, hist, meta = ckpt.load_checkpoint(ckpt_path, template, algorithm=name)
         extra = dict(fingerprints()) if fingerprints is not None else {}
         ckpt_meta = {
+            "algorithm_name": name,
             "key": ckpt.key_fingerprint(key),
             "algorithm": ckpt.algorithm_fingerprint(
                 init, _jitted_round(algorithm), template, params, data, key
