@@ -19,7 +19,8 @@ The names below are stable:
 * :func:`check_real_array`: numeric, not complex (and optionally floating).
 * :func:`check_floating_dtype`: a dtype argument that must be floating.
 * :func:`check_key`: one PRNG key.
-* :func:`deferred_checks`, :func:`defer`: value checks of traced arguments, as flags.
+* :func:`deferred_checks`, :func:`defer`, :class:`DeferredChecks`: value checks of
+  traced arguments, as flags a program returns.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "DeferredChecks",
     "check_bool_leaves",
     "check_finite",
     "check_floating_dtype",
@@ -47,8 +49,38 @@ __all__ = [
     "is_concrete",
 ]
 
-# The open deferred_checks blocks of this thread, innermost last.
+# The open deferred_checks blocks of this thread, innermost last: (trace, found).
 _DEFERRED = threading.local()
+
+
+@jax.tree_util.register_pytree_node_class
+class DeferredChecks:
+    """The deferred checks of a traced program: static messages, traced flags.
+
+    A pytree whose leaves are the flags (bool arrays, True where the check passed) and
+    whose static data are the messages, so a compiled program can return it and the
+    caller reads ``messages`` and the flags' values (:meth:`failed`).
+    """
+
+    def __init__(self, messages=(), flags=()):
+        self.messages = tuple(messages)
+        self.flags = tuple(flags)
+
+    def tree_flatten(self):
+        return self.flags, self.messages
+
+    @classmethod
+    def tree_unflatten(cls, messages, flags):
+        return cls(messages, flags)
+
+    def failed(self) -> list[tuple[str, np.ndarray]]:
+        """``(message, bad)`` of every check that failed somewhere, each message once;
+        ``bad``: where it failed (a bool numpy array of the flag's shape)."""
+        merged: dict[str, np.ndarray] = {}
+        for message, ok in zip(self.messages, self.flags, strict=True):
+            bad = ~np.asarray(ok, bool)
+            merged[message] = merged[message] | bad if message in merged else bad
+        return [(m, bad) for m, bad in merged.items() if bad.any()]
 
 
 @contextlib.contextmanager
@@ -56,15 +88,18 @@ def deferred_checks() -> Iterator[list[tuple[str, jax.Array]]]:
     """Collects the value checks of traced arguments made inside the block.
 
     Yields a list that fills with ``(message, ok)`` pairs, one per check that a traced
-    value made (``message``: what is wrong when ``ok`` is False, naming the argument;
-    ``ok``: a traced bool scalar). Open it around code that builds something from traced
-    arguments (an algorithm factory called inside ``jit``/``vmap``) and return the flags
-    from the same trace; a check made inside a nested transformation of the block's code
-    must not be recorded (its flag would be a tracer of that inner trace).
+    value made at the block's own trace level (``message``: what is wrong where ``ok``
+    is False, naming the argument; ``ok``: a traced bool array). Checks made inside a
+    nested transformation of the block's code (a ``vmap`` or ``scan`` body) are skipped:
+    their flags belong to that inner trace. Open it around code that builds or
+    initializes something from traced arguments and return the flags from the same
+    trace (e.g. as a :class:`DeferredChecks`).
     """
+    from jax._src import core  # noqa: PLC0415 - the current trace; no public API for it
+
     stack = _DEFERRED.__dict__.setdefault("stack", [])
     found: list[tuple[str, jax.Array]] = []
-    stack.append(found)
+    stack.append((core.trace_ctx.trace, found))
     try:
         yield found
     finally:
@@ -75,15 +110,19 @@ def defer(message: str, ok) -> None:
     """Records a check of a traced value in the innermost :func:`deferred_checks` block.
 
     Args:
-      message: what is wrong when the check fails, naming the argument (e.g.
+      message: what is wrong where the check fails, naming the argument (e.g.
         ``"dissimilarity D contains NaN"``).
-      ok: bool array (reduced with ``all``), True when the value passes.
+      ok: bool array, True where the value passes (kept unreduced: a batched caller
+        passes one flag per batch member).
 
-    Outside a block nothing is recorded (the check is skipped, as before).
+    Outside a block, or inside a transformation nested in the block's code, nothing is
+    recorded (the check is skipped, as without a block).
     """
+    from jax._src import core  # noqa: PLC0415
+
     stack = getattr(_DEFERRED, "stack", None)
-    if stack:
-        stack[-1].append((message, jnp.all(jnp.asarray(ok, bool))))
+    if stack and stack[-1][0] is core.trace_ctx.trace:
+        stack[-1][1].append((message, jnp.asarray(ok, bool)))
 
 
 def _defer_range(name: str, value, *, positive: bool, allow_inf: bool) -> None:
@@ -91,13 +130,13 @@ def _defer_range(name: str, value, *, positive: bool, allow_inf: bool) -> None:
     x = jnp.asarray(value)
     if not jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.complexfloating):
         return  # a dtype error is raised by the concrete checks; nothing to defer
-    defer(f"{name} is NaN", ~jnp.isnan(x))
+    defer(f"{name} is NaN", ~jnp.any(jnp.isnan(x)))
     if positive:
-        defer(f"{name} is <= 0 (it must be > 0)", ~(x <= 0))
+        defer(f"{name} is <= 0 (it must be > 0)", ~jnp.any(x <= 0))
     else:
-        defer(f"{name} is negative (it must be >= 0)", ~(x < 0))
+        defer(f"{name} is negative (it must be >= 0)", ~jnp.any(x < 0))
     if not allow_inf:
-        defer(f"{name} is infinite (it must be finite)", ~jnp.isinf(x))
+        defer(f"{name} is infinite (it must be finite)", ~jnp.any(jnp.isinf(x)))
 
 
 def concrete(x) -> np.ndarray | None:
@@ -185,7 +224,7 @@ def check_finite(name: str, array) -> None:
     a = concrete(array)
     if a is None:
         if jnp.issubdtype(jnp.result_type(array), jnp.inexact):
-            defer(f"{name} contains NaN or infinite values", jnp.isfinite(array))
+            defer(f"{name} contains NaN or infinite values", jnp.all(jnp.isfinite(array)))
         return
     if not np.issubdtype(a.dtype, np.number):
         return

@@ -130,6 +130,9 @@ def cross_entropy_loss(apply_fn: ApplyFn) -> Callable:
     Returns:
       ``loss(params, x, y, mask) -> []`` with ``y`` int of shape ``[B]`` and ``mask`` bool
       ``[B]``: ``sum_b mask_b * (logsumexp(z_b) - z_b[y_b]) / max(sum_b mask_b, 1)``.
+      ``y`` must lie in ``[0, C)`` for ``C`` logits: ``loss.num_classes(params, x)`` gives
+      ``C`` from shapes, and every algorithm's ``init`` checks the data's labels with it
+      (a label outside the classes would otherwise give a NaN loss).
     """
     _check_apply(apply_fn)
 
@@ -139,6 +142,11 @@ def cross_entropy_loss(apply_fn: ApplyFn) -> Callable:
         picked = jnp.take_along_axis(logits, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
         return _masked_mean(logz - picked, mask)
 
+    def num_classes(params, x) -> int:
+        """``C``, the number of logits of the model on rows ``x`` (shapes only)."""
+        return int(jax.eval_shape(apply_fn, params, x).shape[-1])
+
+    loss.num_classes = num_classes
     return loss
 
 

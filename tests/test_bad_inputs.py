@@ -52,6 +52,8 @@ ALGOS = {
     "pfedme": lambda **kw: pfedme(LOSS, **{**HP, **kw}),
 }
 JOINT = jnp.ones((N, NMAX, DIM + 1))
+LABELS_0_9 = DATA._replace(y=jnp.array([[0, 1, 0, 0], [2, 8, 9, 7], [3, 4, 5, 0]], jnp.int32))
+LOCAL = local(LOSS, learning_rate=0.1, batch_size=2)  # one object: its programs are cached
 REF = jnp.zeros((5, DIM + 1))
 
 
@@ -442,6 +444,11 @@ CASES = [
      lambda p: fedavg(models.cross_entropy_loss(models.mlp(3, 2).apply), **HP).init(
          _mlp_params(5), DATA._replace(y=DATA.y.astype(jnp.int32)), key=KEY),
      ValueError, r"params do not fit the data.*\(5, 3\)"),
+    ("classifier with 8 logits on labels 0..9",
+     lambda p: fedavg(models.cross_entropy_loss(models.mlp(3, 8).apply), **HP).init(
+         models.init_params(models.mlp(3, 8), KEY, (1, DIM)), LABELS_0_9, key=KEY),
+     ValueError, r"labels data.y lie outside the model's 8 classes \[0, 8\).*client 1 has "
+                 r"label\(s\) \[8, 9\]"),
     ("integer params", lambda p: ALGOS["local"]().init(jnp.zeros(DIM, jnp.int32), DATA, key=KEY),
      TypeError, "params leaves must be floating"),
     ("empty params", lambda p: ALGOS["fedsgd"]().init({}, DATA, key=KEY), TypeError,
@@ -822,7 +829,7 @@ def test_checkpoint_of_another_algorithm_is_refused_by_name(tmp_path):
     """The checkpoint names the algorithm that wrote it; another algorithm's resume is
     refused by that name, before any shape is compared (issue 27)."""
     opts = dict(key=KEY, num_rounds=1, checkpoint_dir=tmp_path, progress=False)
-    training.run(ALGOS["local"](), THETA, DATA, **opts)
+    training.run(LOCAL, THETA, DATA, **opts)
     with np.load(tmp_path / training.CHECKPOINT_NAME) as z:  # the JSON header
         assert json.loads(str(z["meta"]))["algorithm_name"] == "local"
     with pytest.raises(ValueError, match=r"was written by local, this run is karula"):
@@ -835,3 +842,38 @@ def test_checkpoint_of_another_algorithm_is_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"by local, this run is local \(batched by run_many\)"):
         batched()
+
+
+def test_labels_outside_the_classes_are_refused_by_the_runners():
+    """A classifier's labels are checked when the loss is first applied: by init on
+    concrete data, inside the compiled init (reported before any round) under run and
+    run_many (issue 27)."""
+    model = models.mlp(3, 8)
+    params = models.init_params(model, KEY, (1, DIM))
+    make = lambda lr: fedavg(models.cross_entropy_loss(model.apply), learning_rate=lr,
+                             clients_per_round=2, batch_size=2)  # fmt: skip
+    match = r"labels data.y lie outside the model's 8 classes \[0, 8\).*Nothing was run"
+    with pytest.raises(ValueError, match=match):
+        training.run(make(0.1), params, LABELS_0_9, key=KEY, num_rounds=1, progress=False)
+    members = jax.tree.map(lambda a: jnp.stack([a, a]), LABELS_0_9)
+    members = members._replace(y=members.y.at[0].set(members.y[0] % 8))  # member 0 is fine
+    with pytest.raises(ValueError, match=match.replace("Nothing", r"in batch member 1\. Nothing")):
+        training.run_many(make, params, members, keys=jax.random.split(KEY, 2), num_rounds=1,
+                          data_per_seed=True, batch_kwargs={"lr": jnp.array([0.1, 0.1])},
+                          progress=False)  # fmt: skip
+
+
+def test_nonfinite_report_names_the_data_first():
+    """ClientData built directly with NaN features: the non-finite report names the client
+    whose real rows hold NaN, then the labels, then the step size (issue 27)."""
+    bad = DATA._replace(x=DATA.x.at[2, 1, 0].set(jnp.nan))
+    with pytest.raises(FloatingPointError) as err:
+        training.run(LOCAL, THETA, bad, key=KEY, num_rounds=1, progress=False)
+    msg = str(err.value)
+    first = msg.index("(1) non-finite data: data.x has NaN or inf in the real rows of client 2")
+    assert first < msg.index("(2) labels outside the model's classes") < msg.index("(3) a step")
+    padded = DATA._replace(x=DATA.x.at[0, 3, 0].set(jnp.inf))  # padding: not a cause
+    assert training.reports.nonfinite_data(padded) == ""
+    assert "(batch member, client) pair (1, 2)" in training.reports.nonfinite_data(
+        jax.tree.map(lambda a, b: jnp.stack([a, b]), DATA, bad)
+    )

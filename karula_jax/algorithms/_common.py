@@ -44,6 +44,7 @@ __all__ = [
     "broadcast",
     "check_clients_per_round",
     "check_finite",
+    "check_labels",
     "client_keys",
     "client_mean",
     "graph_laplacian",
@@ -93,8 +94,8 @@ def check_weights(weights, n: int | None = None) -> None:
     w = concrete(weights)
     if w is None:
         w = jnp.asarray(weights)
-        defer("weights contain NaN or infinite values", jnp.isfinite(w))
-        defer("weights are negative (they must be >= 0)", ~(w < 0))
+        defer("weights contain NaN or infinite values", jnp.all(jnp.isfinite(w)))
+        defer("weights are negative (they must be >= 0)", jnp.all(~(w < 0)))
         defer("weights are all zero", jnp.any(w > 0))
         return
     if w.ndim != 1 or (n is not None and w.shape[0] != n):
@@ -160,6 +161,44 @@ def check_params(loss, params, data, *, name: str = "params") -> None:
         raise TypeError(f"loss must return a scalar (mean over the masked rows), got {got}")
     if not jnp.issubdtype(out.dtype, jnp.floating):
         raise TypeError(f"loss must return a floating scalar, got dtype {out.dtype}")
+    classes = getattr(loss, "num_classes", None)
+    if callable(classes):  # a classifier: its labels must index its logits
+        check_labels(data, classes(p_spec, x))
+
+
+def check_labels(data: ClientData, num_classes: int) -> None:
+    """The class labels ``data.y`` ``[n, N_max]`` of the real rows lie in ``[0, C)``.
+
+    Concrete labels are checked now (a ValueError names the clients and labels); traced
+    ones are deferred (:func:`karula_jax._checks.defer`: the driver reports them after
+    ``init``). Padding rows are not checked.
+    """
+    C = int(num_classes)
+    if data.y.ndim != 2:
+        return
+    y, counts = concrete(data.y), concrete(data.counts)
+    if y is None or counts is None:
+        real = jnp.arange(data.y.shape[1])[None, :] < data.counts[:, None]
+        inside = (data.y >= 0) & (data.y < C)
+        defer(
+            f"labels data.y lie outside the model's {C} classes [0, {C}) (its output has "
+            f"{C} logits; give it one output per class, or relabel y)",
+            jnp.all(inside | ~real),
+        )
+        return
+    real = np.arange(y.shape[1])[None, :] < counts[:, None]
+    with np.errstate(invalid="ignore"):
+        bad = real & ~((y >= 0) & (y < C))
+    if bad.any():
+        clients = np.flatnonzero(bad.any(axis=1))
+        i = int(clients[0])
+        found = np.unique(y[i][bad[i]])[:5].tolist()
+        raise ValueError(
+            f"labels data.y lie outside the model's {C} classes [0, {C}) (its output has {C} "
+            f"logits): client {i} has label(s) {found}; clients with such labels: "
+            f"{clients[:8].tolist()}{' ...' if len(clients) > 8 else ''}. Give the model one "
+            "output per class, or relabel y."
+        )
 
 
 def check_mask(name: str, mask, params) -> None:

@@ -199,7 +199,7 @@ def _check_labels(labels, n: int | None = None) -> None:
         raise ValueError(f"labels must have shape {want} (one group per client), got {shape}")
     lab = C.concrete(labels)
     if lab is None:
-        C.defer("labels are negative (they must be >= 0)", jnp.asarray(labels) >= 0)
+        C.defer("labels are negative (they must be >= 0)", jnp.all(jnp.asarray(labels) >= 0))
     elif lab.size and lab.min() < 0:
         raise ValueError(f"labels must be >= 0, found {lab.min()}")
 

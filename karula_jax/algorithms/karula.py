@@ -53,12 +53,12 @@ def _check_dissimilarity(D) -> None:
         if len(jnp.shape(D)) != 2 or jnp.shape(D)[0] != jnp.shape(D)[1]:
             raise ValueError(f"D must be a square matrix of shape [n, n], got {jnp.shape(D)}")
         d = jnp.asarray(D)
-        C.defer("dissimilarity D contains NaN", ~jnp.isnan(d))
-        C.defer("dissimilarity D has negative entries (it must be >= 0)", ~(d < 0))
+        C.defer("dissimilarity D contains NaN", jnp.all(~jnp.isnan(d)))
+        C.defer("dissimilarity D has negative entries (it must be >= 0)", jnp.all(~(d < 0)))
         finite = lambda a: jnp.where(jnp.isinf(a), 0, a)
         close = jnp.abs(finite(d) - finite(d.T)) <= 1e-6 + 1e-5 * jnp.abs(finite(d.T))
         nan = jnp.isnan(d) | jnp.isnan(d.T)  # reported as NaN above
-        C.defer("dissimilarity D is not symmetric", (d == d.T) | close | nan)
+        C.defer("dissimilarity D is not symmetric", jnp.all((d == d.T) | close | nan))
         return
     if d.ndim != 2 or d.shape[0] != d.shape[1]:
         raise ValueError(f"D must be a square matrix of shape [n, n], got shape {d.shape}")

@@ -101,10 +101,10 @@ def _check_weight_matrix(W, n: int) -> None:
         if jnp.shape(W) != (n, n):
             raise ValueError(f"graph_weights must have shape ({n}, {n}), got {jnp.shape(W)}")
         w = jnp.asarray(W)
-        C.defer("graph_weights are not finite", jnp.isfinite(w))
-        C.defer("graph_weights are negative (they must be >= 0)", ~(w < 0))
+        C.defer("graph_weights are not finite", jnp.all(jnp.isfinite(w)))
+        C.defer("graph_weights are negative (they must be >= 0)", jnp.all(~(w < 0)))
         close = jnp.abs(w - w.T) <= 1e-8 + 1e-5 * jnp.abs(w.T)
-        C.defer("graph_weights are not symmetric", close)
+        C.defer("graph_weights are not symmetric", jnp.all(close))
         return
     if w.shape != (n, n):
         raise ValueError(f"graph_weights must have shape ({n}, {n}) like D, got {w.shape}")

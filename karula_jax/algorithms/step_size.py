@@ -313,8 +313,8 @@ def _check_smoothness_value(value, n: int | None, where: str) -> None:
     v = C.concrete(value)
     if v is None:
         v = jnp.asarray(value)
-        C.defer(f"smoothness ({where}) is not finite", jnp.isfinite(v))
-        C.defer(f"smoothness ({where}) is negative (it must be >= 0)", ~(v < 0))
+        C.defer(f"smoothness ({where}) is not finite", jnp.all(jnp.isfinite(v)))
+        C.defer(f"smoothness ({where}) is negative (it must be >= 0)", jnp.all(~(v < 0)))
         return
     if v.dtype == bool or not np.issubdtype(v.dtype, np.number):
         raise TypeError(f"smoothness must be real numbers, got {where} of dtype {v.dtype}")

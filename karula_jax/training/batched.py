@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from karula_jax._checks import deferred_checks
+from karula_jax._checks import defer, deferred_checks
 from karula_jax.algorithms.base import Algorithm
 from karula_jax.training import checkpoint as ckpt
 from karula_jax.training.loop import EvalFn, RunResult, run_chunks
-from karula_jax.training.reports import warn_unconverged
+from karula_jax.training.reports import warn_unconverged, where_in_batch
 from karula_jax.training.sharding import (
     Placement,
     check_divisible,
@@ -177,7 +177,7 @@ def _factory_checks(
         if ok.all():
             continue
         bad_points |= ~ok
-        problems.append(f"{message} {_where(~ok, leaves != [], grid is not None)}")
+        problems.append(message + where_in_batch(~ok, leaves != [], grid is not None))
     if problems:
         raise ValueError(
             "make_algorithm got bad arguments through batch_kwargs or hyper (traced values, "
@@ -187,22 +187,6 @@ def _factory_checks(
             + ". Nothing was run."
         )
     return names[0]
-
-
-def _where(bad: np.ndarray, members: bool, grid: bool) -> str:
-    """``bad`` ``[S, G]`` as text: the batch members and/or grid points concerned."""
-    rows, cols = np.flatnonzero(bad.any(axis=1)), np.flatnonzero(bad.any(axis=0))
-    if members and (not grid or bad[rows].all()):  # whole members
-        what, pts = "batch member", rows.tolist()
-    elif not members or bad[:, cols].all():  # whole grid points
-        what, pts = "grid point", cols.tolist()
-    else:
-        what = "(batch member, grid point) pair"
-        pts = [tuple(map(int, p)) for p in np.argwhere(bad)]
-    if len(pts) == 1:
-        return f"in {what} {pts[0]}"
-    more = f" and {len(pts) - 8} more" if len(pts) > 8 else ""
-    return f"in {what}s {pts[:8]}{more}"
 
 
 def _nonfinite_inputs(kw: dict[str, Any], hyper: dict[str, Any], bad: np.ndarray) -> str:
@@ -254,16 +238,28 @@ def _members(
         return apply
 
     def init(params, data_kw, *, key):
+        # Value checks that a member's init defers (its traced data, e.g. a classifier's
+        # labels) come back as flags [S] or [S, G] and are deferred again at this level,
+        # for the driver (run_chunks) to report with the members they concern.
+        messages: list[str] = []
+
+        def checked(kw_s, h, params_s, data_s, key_s):
+            with deferred_checks() as found:
+                state = make_algorithm(**kw_s, **h).init(params_s, data_s, key=key_s)
+            messages[:] = [m for m, _ in found]
+            return state, [jnp.all(ok) for _, ok in found]
+
         # The key is batched over members only: every grid point of a member shares it.
         def per_member(key_s, params_s, data_s, kw_s):
             if grid is None:
-                return make_algorithm(**kw_s).init(params_s, data_s, key=key_s)
-            return jax.vmap(
-                lambda h: make_algorithm(**kw_s, **h).init(params_s, data_s, key=key_s)
-            )(hyper)
+                return checked(kw_s, {}, params_s, data_s, key_s)
+            return jax.vmap(lambda h: checked(kw_s, h, params_s, data_s, key_s))(hyper)
 
         data, kw = data_kw
-        return jax.vmap(per_member, in_axes=(0, p_axis, d_axis, 0))(key, params, data, kw)
+        state, flags = jax.vmap(per_member, in_axes=(0, p_axis, d_axis, 0))(key, params, data, kw)
+        for message, ok in zip(messages, flags, strict=True):
+            defer(message, ok)
+        return state
 
     round_ = batched(lambda alg, st, d: alg.round(st, d))
     client_params = batched(lambda alg, st, d: alg.client_params(st, d))

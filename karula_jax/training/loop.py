@@ -34,13 +34,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from karula_jax._checks import check_positive_int
+from karula_jax._checks import DeferredChecks, check_positive_int, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.training import checkpoint as ckpt
 from karula_jax.training.progress import RoundBar, scalar_summary
 from karula_jax.training.reports import (
     first_nonfinite,
+    nonfinite_data,
     nonfinite_error,
+    raise_failed_checks,
     round_diagnostics,
     warn_unconverged,
 )
@@ -144,7 +146,15 @@ def _masked_chunk(algorithm: Algorithm, chunk_size: int):
 
 @functools.lru_cache(maxsize=32)
 def _jitted_init(algorithm: Algorithm):
-    return jax.jit(algorithm.init)
+    """``init`` returning ``(state, DeferredChecks)``: the value checks that ``init`` could
+    not make on its traced inputs (e.g. the labels of a classifier), for the driver."""
+
+    def init(params, data, *, key):
+        with deferred_checks() as found:
+            state = algorithm.init(params, data, key=key)
+        return state, DeferredChecks([m for m, _ in found], [ok for _, ok in found])
+
+    return jax.jit(init)
 
 
 @functools.lru_cache(maxsize=32)
@@ -345,7 +355,7 @@ def run_chunks(
     ckpt_meta = {}
     if ckpt_path is not None:
         name = ckpt.algorithm_name(algorithm) if name is None else name
-        template = jax.eval_shape(init, params, data, key=key)
+        template = jax.eval_shape(init, params, data, key=key)[0]
         if resume:  # first: a state of another structure cannot even be traced
             state, hist, meta = ckpt.load_checkpoint(ckpt_path, template, algorithm=name)
         extra = dict(fingerprints()) if fingerprints is not None else {}
@@ -378,7 +388,8 @@ def run_chunks(
             metric_history.append({k: v[i] for k, v in hist["metrics"].items()})
             metric_rounds.append(int(r))
     else:
-        state = init(params, data, key=key)
+        state, checks = init(params, data, key=key)
+        raise_failed_checks(checks)
         done = 0
     inherited = sum(p.loss.shape[0] for p in info_parts)  # rounds from the checkpoint
     # Private copies: jit may forward input arrays (e.g. the key) into the state, and the
@@ -456,7 +467,7 @@ def run_chunks(
                     info_parts.append(RoundInfo(*(a[: bad + 1] for a in info)))
                     saved = ckpt_path is not None and os.path.isfile(ckpt_path)
                     last = f"{done} rounds in {ckpt_path}" if saved else "none"
-                    err = nonfinite_error(done + bad, info.finite[bad], last)
+                    err = nonfinite_error(done + bad, info.finite[bad], last, nonfinite_data(data))
                     err.result = result(first_bad)
                     raise err
             info_parts.append(info)
