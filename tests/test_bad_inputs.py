@@ -4,11 +4,15 @@
 takes pytest's ``tmp_path`` (for files) and makes ONE bad call; the test asserts the type
 and that the message matches the regex, which always names the offending argument.
 The tests after the table check each class of fix of
-issue 11 on its own (ClientData validation, casts, subsets, empty clients, decoding).
+issue 11 on its own (ClientData validation, casts, subsets, empty clients, decoding), then
+those of issue 27: arguments that reach a factory traced (every argument ``protocol``
+passes through ``run_many``, for every method of its suite), a classifier's labels
+against its logits, the order of causes in the non-finite report, a checkpoint of another
+algorithm, missing output folders, submodules as attributes, one unstacked model.
 
-Shapes are tiny and almost every error is raised before anything is compiled (at most one
-abstract trace of a loss; one small Sinkhorn solve for the epsilon case), so the file
-runs in seconds.
+Shapes are tiny. Most errors are raised before anything is compiled (at most one abstract
+trace of a loss); the rest need a small program (the traced-argument checks, a compiled
+init, one Sinkhorn solve, one one-round run), so the file runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -27,7 +31,16 @@ from hypothesis import strategies as st
 
 import karula_jax as kj
 from karula_jax import embedding, models, projection, protocol, reporting, training
-from karula_jax.algorithms import fedavg, fedsgd, ifca, karula, lipschitz_ridge, local, pfedme
+from karula_jax.algorithms import (
+    fedavg,
+    fedsgd,
+    ifca,
+    karula,
+    laplacian_penalty,
+    lipschitz_ridge,
+    local,
+    pfedme,
+)
 from karula_jax.data import ClientData, client_weights, from_client_arrays, synthetic_ridge
 from karula_jax.data.heart_disease import load_heart_disease, read_heart_disease_file
 from karula_jax.data.leaf import IMAGE_SIZE, load_leaf, read_leaf_file
@@ -520,6 +533,23 @@ CASES = [
     ("run_many data_per_seed without seed axis", lambda p: training.run_many(
         lambda: ALGOS["local"](), THETA, DATA, keys=jax.random.split(KEY, 2), num_rounds=1,
         data_per_seed=True), ValueError, "data_per_seed"),
+    ("run_many D with NaN through batch_kwargs (karula)",
+     lambda p: training.run_many(lambda D: karula(LOSS, D, t=1.0, **HP), THETA, DATA,
+                                 keys=jax.random.split(KEY, 2), num_rounds=1,
+                                 batch_kwargs={"D": jnp.stack([D, D.at[0, 1].set(jnp.nan)])}),
+     ValueError, r"dissimilarity D contains NaN in batch member 1 .*batch_kwargs\['D'\] of "
+                 r"member 1 holds NaN"),
+    ("run_many D negative through batch_kwargs (laplacian_penalty)",
+     lambda p: training.run_many(
+         lambda D: laplacian_penalty(LOSS, D, mu=1.0, **HP), THETA, DATA,
+         keys=jax.random.split(KEY, 2), num_rounds=1, batch_kwargs={"D": jnp.stack([D, -D])}),
+     ValueError, r"dissimilarity D has negative entries .*in batch member 1"),
+    ("run_many learning_rate NaN in the grid",
+     lambda p: training.run_many(lambda learning_rate: fedavg(LOSS, learning_rate=learning_rate,
+                                                              clients_per_round=2, batch_size=2),
+                                 THETA, DATA, keys=jax.random.split(KEY, 2), num_rounds=1,
+                                 hyper={"learning_rate": [0.1, float("nan")]}),
+     ValueError, r"learning_rate is NaN in grid point 1"),
     ("checkpoint garbage file", _garbage_checkpoint, ValueError, r"checkpoint\.npz"),
     ("checkpoint meta not JSON", _checkpoint_bad_meta, ValueError, r"checkpoint\.npz"),
     ("checkpoint of another algorithm", _checkpoint_of_fedavg, ValueError,
