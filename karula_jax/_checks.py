@@ -5,9 +5,11 @@ Every public function checks its arguments with these and raises a ``ValueError`
 are traced (inside ``jit``/``vmap``/``grad``) cannot be inspected: the checks of shapes
 and dtypes still run, and the checks of values are *deferred*: inside a
 :func:`deferred_checks` block each becomes a traced flag ``(message, ok)`` that the code
-which opened the block returns from its program and reports (the batched runner does so
-for the factory arguments it passes traced, see ``karula_jax.training.batched``); outside
-such a block they are skipped.
+which opened the block returns from its program and reports. The training driver opens
+one around every ``init`` it compiles (a classifier's labels on traced data) and
+``run_many`` one around the factory on every member's traced arguments (a NaN in ``D``, a
+negative learning rate); outside a block, and inside a ``vmap``/``scan`` nested in the
+block's code, they are skipped.
 
 This module imports nothing from ``karula_jax`` so that every subpackage can use it.
 The names below are stable:
@@ -15,7 +17,7 @@ The names below are stable:
 * :func:`concrete`, :func:`is_concrete`: is a value known at trace time.
 * :func:`check_nonnegative`, :func:`check_positive`: real scalars (may be traced).
 * :func:`check_positive_int`: static sizes (Python or numpy ints, never traced).
-* :func:`check_finite`: no NaN/inf in a concrete array.
+* :func:`check_finite`: no NaN/inf in an array (deferred when traced).
 * :func:`check_real_array`: numeric, not complex (and optionally floating).
 * :func:`check_floating_dtype`: a dtype argument that must be floating.
 * :func:`check_key`: one PRNG key.
