@@ -46,6 +46,7 @@ __all__ = [
     "plot_client_triplet",
     "plot_curves",
     "plot_heatmaps",
+    "plot_lines",
     "publish",
     "write_json",
     "write_table",
@@ -313,6 +314,33 @@ def plot_curves(rounds, curves, path, *, panels, title: str | None = None) -> No
         ax.set(xlabel="round", ylabel=label)
         ax.grid(alpha=0.3)
     axes[0][0].legend(frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(_writable(path), dpi=130)
+    plt.close(fig)
+
+
+def plot_lines(x, panels, path, *, xlabel: str, ylabel: str, log: bool = True, title=None):
+    """One subplot per panel, one line per label, no bands (deterministic curves).
+
+    Args:
+      x: x values ``[T]``.
+      panels: ``{panel title: {label: y of shape [T]}}``.
+      path: PNG to write (folders are created).
+      xlabel, ylabel: axis labels; log: log-log axes.
+      title: figure title.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, (name, lines) in zip(axes[0], panels.items(), strict=True):
+        for label, y in lines.items():
+            ax.plot(x, y, label=label, lw=1.6)
+        if log:
+            ax.set(xscale="log", yscale="log")
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=name)
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -58,6 +58,7 @@ from karula_jax.algorithms.step_size import (
     local_optima,
     smoothness_estimate,
     stability_factor,
+    theorem_learning_rate,
 )
 from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 
@@ -84,6 +85,7 @@ __all__ = [
     "init_memory",
     "karula",
     "karula_learning_rate",
+    "theorem_learning_rate",
     "laplacian_penalty",
     "lipschitz_logistic",
     "lipschitz_ridge",

@@ -28,6 +28,7 @@ from karula_jax.algorithms.step_size import (
     coupling,
     karula_learning_rate,
     local_optima,
+    theorem_learning_rate,
 )
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
@@ -116,9 +117,10 @@ def karula(
     Step size (``learning_rate=None``). Let ``L_i`` be the Lipschitz constant of
     ``grad f_i``, ``a_i = alpha_i L_i``, ``L_max = max_i a_i``, ``Lbar = mean_i a_i``,
     ``p = s / n``; the product-space constant is ``L = L_max / n``
-    (:func:`lipschitz_ridge`). The paper's ``3 / (8L)`` diverges with ``s < n`` and
-    weakly coupled clients (synthetic_ridge(0), n = 30, s = 10, D = inf: near round
-    512). The rule (:func:`karula_learning_rate`)::
+    (:func:`lipschitz_ridge`). Theorem 4.3's step is ``3 / (8 L_max)`` (its ``L`` bounds
+    the weighted losses ``alpha_i f_i``: ``learning_rate="theorem"``), ``n`` times smaller
+    than ``3 / (8 L)`` with the product-space ``L``, which can diverge with ``s < n`` and
+    weakly coupled clients. The rule (:func:`karula_learning_rate`)::
 
         c(p)   = 4 / ((2 - p) (1 + sqrt(1 + 8 (1 - p) / (2 - p))))   in [0.618, 2]
         free   = s c(p) / (2 L_max)
@@ -204,6 +206,8 @@ def karula(
       D: dissimilarities, array ``[n, n]``, symmetric, ``>= 0``, may contain ``inf``.
       t: radius scale ``>= 0``, may be ``inf``; may be a traced value (vmap over t).
       learning_rate: ``eta >= 0``; may be traced. ``None``: the rule above.
+        ``"theorem"``: Theorem 4.3's ``3 / (8 L_max)`` with ``L_max = max_i alpha_i L_i``
+        (:func:`theorem_learning_rate`; ``docs/theory.md``), from the same ``L_i``.
       clients_per_round: ``s``, static, ``1 <= s <= n``.
       batch_size: ``B``, static; ``B >= N_max`` gives exact gradients.
       smoothness: the ``L_i`` of the rule (unused when ``learning_rate`` is given): a
@@ -243,7 +247,13 @@ def karula(
 
     _check_dissimilarity(D)
     C.check_nonnegative("t", t, allow_inf=True)
-    if learning_rate is not None:
+    if isinstance(learning_rate, str):
+        if learning_rate != "theorem":
+            raise ValueError(
+                "learning_rate must be a number >= 0, None (the derived rule) or "
+                f"'theorem' (3 / (8 L_max)), got {learning_rate!r}"
+            )
+    elif learning_rate is not None:
         C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
     B = C.check_positive_int("batch_size", batch_size)
@@ -324,10 +334,13 @@ def karula(
             proj_state = P.init_projection_state(own, _radii(), method=projection_method)
         else:
             proj_state = P.ProjectionState(jnp.zeros((n, n), dtype), jnp.zeros((0, 0), dtype))
-        if learning_rate is None:
+        if learning_rate is None or isinstance(learning_rate, str):
             L_i = client_smoothness(
                 loss, params, data, smoothness, key=jax.random.fold_in(key_init, 1)
             )
+        if isinstance(learning_rate, str):  # "theorem"
+            eta = theorem_learning_rate(L_i, alpha)
+        elif learning_rate is None:
             consensus = jnp.all(_radii() == 0)
             eta = karula_learning_rate(
                 L_i, alpha, s, consensus=consensus, coupling=_coupling(params, data, L_i)

@@ -43,6 +43,7 @@ __all__ = [
     "local_optima",
     "smoothness_estimate",
     "stability_factor",
+    "theorem_learning_rate",
 ]
 
 #: Power-iteration steps of :func:`smoothness_estimate` when ``karula`` calls it.
@@ -172,6 +173,25 @@ def karula_learning_rate(
     damped = jnp.where(kappa < 1.0, free / jnp.maximum(1.0 - kappa, 1e-30), jnp.inf)
     coupled = jnp.minimum(tied, jnp.maximum(damped, free))
     return jnp.where(jnp.asarray(consensus), tied, coupled).astype(jnp.float32)
+
+
+def theorem_learning_rate(smoothness, weights):
+    """Theorem 4.3's step ``3 / (8 L_max)``, ``L_max = max_i alpha_i L_i``.
+
+    Assumption 4.1 asks each weighted loss ``alpha_i f_i`` to be ``L``-smooth, so the
+    theorem's ``L`` is ``L_max`` (``lipschitz_ridge(..., per_client=True)`` for ridge),
+    not the product-space constant ``L_max / n``; see ``docs/theory.md``.
+
+    Args:
+      smoothness: ``L_i`` of shape ``[n]`` or a scalar; may be traced.
+      weights: ``alpha`` of shape ``[n]``; may be traced.
+
+    Returns:
+      ``eta``, a float32 scalar (``inf`` when every ``alpha_i L_i`` is 0).
+    """
+    alpha = jnp.asarray(weights, jnp.float32)
+    a = alpha * jnp.broadcast_to(jnp.asarray(smoothness, jnp.float32), alpha.shape)
+    return (3.0 / (8.0 * jnp.max(a))).astype(jnp.float32)
 
 
 def local_optima(loss, params: Any, data: ClientData, smoothness, *, steps: int = PILOT_STEPS):

@@ -1,0 +1,137 @@
+"""The quantities of the paper's convergence theory, for checking it numerically.
+
+Theorem 4.3 of the paper (restated, with units, in ``docs/theory.md``): under Assumption 4.1
+(each weighted loss ``alpha_i f_i`` is ``L``-smooth, so ``L = L_max = max_i alpha_i L_i``)
+and Assumption 4.2 (``E ||G_i(theta_i) - alpha_i grad f_i(theta_i)||^2 <= sigma^2``), from a
+feasible start, with step ``eta = 3 / (8 L)`` and ``2 <= s <= n - 1``, Karula's iterates
+satisfy::
+
+    min_{k < K} E ||G_eta(theta^k)||^2 <= (8 L / 3) ((f(theta^0) - f*) / K + eps),
+    eps = 4 sigma^2 (s + 1) / s + 2 delta,
+
+with the gradient mapping ``G_eta(theta) = (theta - P_K(theta - eta grad f(theta))) / eta``
+of ``f(theta) = (1/n) sum_i alpha_i f_i(theta_i)`` and ``delta`` the projection error in the
+paper's units: ``1/(2 eta) ||theta - v||^2 <= delta + 1/(2 eta) min_{u in K} ||u - v||^2``,
+i.e. ``delta = info.delta / eta`` for the certificate ``info.delta`` of
+:func:`karula_jax.projection.project` (which bounds ``1/2 ||theta - v||^2 - 1/2 min ...``).
+
+Functions here take flat models ``theta: [n, p]`` (every coordinate personalized).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from karula_jax import projection
+
+__all__ = [
+    "gradient_mapping",
+    "minibatch_sigma_sq",
+    "paper_delta",
+    "theorem_step",
+    "theorem_4_3_bound",
+    "weighted_gradient",
+]
+
+
+def theorem_step(smoothness_max) -> jnp.ndarray:
+    """Theorem 4.3's step ``3 / (8 L_max)``, ``L_max = max_i alpha_i L_i`` (> 0)."""
+    return 3.0 / (8.0 * jnp.asarray(smoothness_max))
+
+
+def weighted_gradient(loss, theta, x, y, mask, alpha) -> jnp.ndarray:
+    """``grad f(theta)`` on the product space: row ``i`` is ``alpha_i grad f_i(theta_i) / n``.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar`` on one client's ``[p]`` model.
+      theta: ``[n, p]``; x: ``[n, N_max, d]``; y: ``[n, N_max]``; mask: ``[n, N_max]`` bool
+        (the real rows); alpha: ``[n]`` client weights.
+
+    Returns:
+      ``[n, p]``, the full-batch gradient (no sampling).
+    """
+    n = theta.shape[0]
+    grads = jax.vmap(jax.grad(loss))(theta, x, y, mask)
+    return alpha[:, None] * grads / n
+
+
+def gradient_mapping(
+    theta, grad, radii_sq, eta, *, tol: float = 1e-10, max_iter: int = 20000, method="auto"
+):
+    """``G_eta(theta) = (theta - P_K(theta - eta grad)) / eta`` with a tight projection.
+
+    Args:
+      theta: ``[n, p]`` models; grad: ``[n, p]``, ``grad f(theta)``
+        (:func:`weighted_gradient`); radii_sq: ``[n, n]`` squared radii ``t D``;
+        eta: step ``> 0``.
+      tol, max_iter, method: of the projection (run in the dtype of ``theta``: use
+        float64 for a reference value).
+
+    Returns:
+      ``(G, info)``: ``G`` of shape ``[n, p]`` and the projection's info (check
+      ``info.converged``).
+    """
+    target = theta - eta * grad
+    proj, info = projection.project(target, radii_sq, tol=tol, max_iter=max_iter, method=method)
+    return (theta - proj) / eta, info
+
+
+def paper_delta(certificate, eta) -> jnp.ndarray:
+    """The paper's ``delta`` from :func:`karula_jax.projection.project`'s ``info.delta``.
+
+    The library certifies ``1/2 ||theta - v||^2 - 1/2 min_u ||u - v||^2 <= info.delta``;
+    the paper measures the same gap divided by ``eta``.
+    """
+    return jnp.asarray(certificate) / eta
+
+
+def theorem_4_3_bound(smoothness_max, initial_gap, rounds, *, sigma_sq=0.0, s=None, delta=0.0):
+    """The right-hand side of Theorem 4.3 for ``K = rounds``.
+
+    Args:
+      smoothness_max: ``L = max_i alpha_i L_i``.
+      initial_gap: ``f(theta^0) - f*`` (>= 0).
+      rounds: ``K``, scalar or array (broadcast).
+      sigma_sq: Assumption 4.2's ``sigma^2`` (0 with full gradients).
+      s: participants per round (needed when ``sigma_sq > 0``).
+      delta: the projection error in the paper's units (:func:`paper_delta`).
+
+    Returns:
+      ``(8 L / 3) (initial_gap / K + 4 sigma^2 (s + 1) / s + 2 delta)``.
+    """
+    noise = 0.0 if sigma_sq == 0 else 4.0 * sigma_sq * (s + 1) / s
+    eps = noise + 2.0 * delta
+    return (8.0 * smoothness_max / 3.0) * (initial_gap / jnp.asarray(rounds) + eps)
+
+
+def minibatch_sigma_sq(loss, theta, x, y, counts, alpha, batch_size: int) -> jnp.ndarray:
+    """Assumption 4.2's ``sigma^2`` at ``theta``: ``max_i E||G_i - alpha_i grad f_i||^2``.
+
+    ``G_i`` is ``alpha_i`` times the gradient of the loss on ``B`` of client ``i``'s
+    ``N_i`` rows drawn without replacement (how the algorithms sample), whose covariance
+    is ``(N_i - B) / (B (N_i - 1))`` times the population covariance of the per-row
+    gradients (exact, no sampling). Terms common to every row (a penalty) cancel.
+
+    Args:
+      loss: ``loss(params, x, y, mask) -> scalar``, a masked mean over rows plus terms
+        that do not depend on the rows.
+      theta: ``[n, p]``; x: ``[n, N_max, d]``; y: ``[n, N_max]``; counts: ``[n]`` ints;
+        alpha: ``[n]``; batch_size: ``B >= 1`` (``B >= N_i``: no noise for client ``i``).
+
+    Returns:
+      Scalar, the largest client's mean squared error.
+    """
+    n_max = x.shape[1]
+    rows = jnp.arange(n_max)
+
+    def client(th, xi, yi, count, a):
+        per_row = jax.vmap(lambda k: jax.grad(loss)(th, xi, yi, rows == k))(rows)
+        valid = (rows < count)[:, None]
+        mean = jnp.sum(jnp.where(valid, per_row, 0.0), 0) / jnp.maximum(count, 1)
+        var = jnp.sum(jnp.where(valid, (per_row - mean) ** 2, 0.0)) / jnp.maximum(count, 1)
+        b = jnp.minimum(batch_size, count)
+        factor = jnp.where(count > 1, (count - b) / (b * jnp.maximum(count - 1, 1)), 0.0)
+        return a**2 * factor * var
+
+    return jnp.max(jax.vmap(client)(theta, x, y, counts, alpha))
