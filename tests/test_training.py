@@ -1040,9 +1040,21 @@ def test_real_karula_reports_unconverged_projection_and_fedavg_is_not_fedsgd(tmp
         fedsgd(loss, **base), params, prob.train, key=key, checkpoint_dir=tmp_path, **kw
     )
     assert sgd.info.proj_converged.all()
-    with pytest.raises(ValueError, match="What differs: algorithm or hyperparameters"):
+    # Another algorithm is refused by name, the same one with other hyperparameters by the
+    # fingerprint of its programs.
+    with pytest.raises(ValueError, match="was written by fedsgd, this run is fedavg"):
         training.run(
             fedavg(loss, **base),
+            params,
+            prob.train,
+            key=key,
+            checkpoint_dir=tmp_path,
+            resume=True,
+            **kw,
+        )
+    with pytest.raises(ValueError, match="What differs: algorithm or hyperparameters"):
+        training.run(
+            fedsgd(loss, **{**base, "learning_rate": 0.2}),
             params,
             prob.train,
             key=key,

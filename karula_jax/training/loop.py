@@ -389,7 +389,7 @@ def run_chunks(
             metric_rounds.append(int(r))
     else:
         state, checks = init(params, data, key=key)
-        raise_failed_checks(checks)
+        raise_failed_checks(gather_to_host(checks))  # a collective on a multi-host mesh
         done = 0
     inherited = sum(p.loss.shape[0] for p in info_parts)  # rounds from the checkpoint
     # Private copies: jit may forward input arrays (e.g. the key) into the state, and the
