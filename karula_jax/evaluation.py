@@ -34,6 +34,7 @@ __all__ = [
     "estimation_error",
     "exact_pairwise_w1",
     "fold_ids",
+    "grid_edge",
     "kfold_split",
     "log_loss",
     "mean_squared_error",
@@ -186,6 +187,30 @@ def select_by_cv(
         raise ValueError(f"every grid point diverged at positions {where} of scores[..., K, G]")
     index = np.argmax(score, axis=-1) if maximize else np.argmin(score, axis=-1)
     return CVSelection(index=index, score=score)
+
+
+def grid_edge(index, grid_size: int, *, natural=()) -> np.ndarray:
+    """Whether a CV choice sits on an edge of its grid that is not a natural limit.
+
+    A method tuned at the first or last point of its grid may have wanted a point beyond
+    it: the grid should be widened, unless that end is a natural limit of the method
+    (``t = 0`` or ``inf`` for Karula, ``k = 1`` cluster), given in ``natural``. A grid of
+    one point has no edge.
+
+    Args:
+      index: chosen grid indices, int ``[...]`` (e.g. :attr:`CVSelection.index`).
+      grid_size: ``G``, the number of grid points.
+      natural: grid indices (negative allowed) that are natural limits.
+
+    Returns:
+      bool ``[...]``, True where the choice is an edge that is not natural.
+    """
+    index = np.asarray(index)
+    if grid_size < 2:
+        return np.zeros(index.shape, bool)
+    natural = {int(i) % grid_size for i in natural}
+    edges = {0, grid_size - 1} - natural
+    return np.isin(index, sorted(edges))
 
 
 # --------------------------------------------------------------------------- metrics

@@ -323,12 +323,17 @@ class Method(NamedTuple):
       static_grid: entries ``{name: value}`` passed as Python values, one compilation
         each (e.g. a number of clusters that fixes shapes), or None.
       label: names a grid point for tables, ``label(point) -> str``.
+      natural: whether a grid point is a natural limit of the method (no wider grid
+        exists beyond it), ``natural(point) -> bool``; None: a point whose every value is
+        0 or infinite (``t = 0``, ``t = inf``, ``mu = 0``). A CV choice on another edge of
+        the grid is flagged (:func:`karula_jax.evaluation.grid_edge`).
     """
 
     make: Callable[..., Algorithm]
     grid: Mapping[str, Any] | None = None
     static_grid: Sequence[Mapping[str, Any]] | None = None
     label: Callable[[Mapping[str, Any]], str] | None = None
+    natural: Callable[[Mapping[str, Any]], bool] | None = None
 
     @property
     def tuned(self) -> bool:
@@ -340,6 +345,13 @@ class Method(NamedTuple):
         traced = [dict(zip(grid, v, strict=True)) for v in zip(*grid.values(), strict=True)]
         statics = self.static_grid or [{}]
         return [dict(s) | t for s, t in itertools.product(statics, traced or [{}])]
+
+    def natural_points(self) -> list[int]:
+        """Indices of the grid points that are natural limits (see ``natural``)."""
+        rule = self.natural or (
+            lambda p: all(np.all((np.asarray(v) == 0) | np.isinf(v)) for v in p.values())
+        )
+        return [i for i, p in enumerate(self.points()) if self.tuned and rule(p)]
 
     def labels(self) -> list[str]:
         if not self.tuned:
@@ -363,7 +375,9 @@ def choice_grid(name: str, choices) -> dict[str, Any]:
     index as ``name``; labels show the choice."""
     choices = list(choices)
     return dict(
-        grid={name: np.arange(len(choices))}, label=lambda p: f"{name}={choices[int(p[name])]}"
+        grid={name: np.arange(len(choices))},
+        label=lambda p: f"{name}={choices[int(p[name])]}",
+        natural=lambda p: choices[int(p[name])] == 1,  # one cluster: nothing below it
     )
 
 
@@ -480,7 +494,8 @@ def method_suite(
             methods[name] = Method(make)
         elif name == "IFCA":  # the number of clusters fixes shapes: one compilation each
             static = [{"k": int(k)} for k in values]
-            methods[name] = Method(make, static_grid=static, label=lambda p: f"k={p['k']}")
+            label, natural = (lambda p: f"k={p['k']}"), (lambda p: p["k"] == 1)
+            methods[name] = Method(make, static_grid=static, label=label, natural=natural)
         elif name == "Clustered FedAvg on D":
             methods[name] = Method(make, **choice_grid(key, values))
         else:
@@ -498,6 +513,8 @@ class CVOutcome(NamedTuple):
       labels: the grid points' labels, ``[G]`` (``[""]`` without a grid).
       cv_score: cross-validated score ``[S, G]`` (None without a grid).
       finite: whether the chosen final fit stayed finite, ``[S]``.
+      edge: whether the choice is an edge of the grid that is not a natural limit
+        (:func:`karula_jax.evaluation.grid_edge`), ``[S]`` bool: the grid is too narrow.
       seconds: wall clock of the method's runs, compilation included.
       diagnostics: the projection's report (:func:`karula_jax.training.describe_diagnostics`)
         when a run had an inexact projection, else "".
@@ -509,12 +526,17 @@ class CVOutcome(NamedTuple):
     labels: list[str]
     cv_score: np.ndarray | None
     finite: np.ndarray
+    edge: np.ndarray
     seconds: float
     diagnostics: str
 
     @property
     def chosen_labels(self) -> list[str]:
-        return [self.labels[c] for c in self.chosen]
+        """The chosen point per seed; ``" [edge]"`` marks a choice on a grid edge."""
+        return [
+            self.labels[c] + (" [edge]" if e else "")
+            for c, e in zip(self.chosen, self.edge, strict=True)
+        ]
 
 
 def cross_validate(
@@ -612,6 +634,9 @@ def cross_validate(
         labels=method.labels(),
         cv_score=cv_score,
         finite=m["finite"][np.arange(S), -1, chosen],
+        edge=ev.grid_edge(chosen, len(method.labels()), natural=method.natural_points())
+        if method.tuned
+        else np.zeros(S, bool),
         seconds=time.perf_counter() - t0,
         diagnostics="; ".join(reports),
     )
@@ -647,4 +672,9 @@ def compare(
             log(f"    {out.diagnostics}")
         chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""
         log(f"{name:7s} {out.seconds:6.1f} s  {describe(out)}{chosen}")
+        if out.edge.any():
+            log(
+                f"    {name}: CV chose an edge of its grid in {int(out.edge.sum())} of "
+                f"{out.edge.size} seeds (not a natural limit): widen the grid"
+            )
     return outcomes

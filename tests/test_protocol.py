@@ -98,6 +98,33 @@ def test_method_points_cross_static_and_traced_grids():
     assert m.labels() == ["k=2", "k=5"] and [p["k"] for p in m.points()] == [0, 1]
 
 
+def test_grid_edges_are_flagged_unless_natural_limits():
+    """A CV choice at an end of its grid is flagged, except where the method has nothing
+    beyond that end (t = 0 or inf, one cluster); one-point grids have no edge."""
+    np.testing.assert_array_equal(ev.grid_edge([0, 1, 2, 4], 5), [True, False, False, True])
+    np.testing.assert_array_equal(ev.grid_edge([0, 4], 5, natural=[0]), [False, True])
+    np.testing.assert_array_equal(ev.grid_edge([0, 4], 5, natural=[-1]), [True, False])
+    assert not ev.grid_edge([0], 1).any()
+    t = Method(lambda **_: None, **scalar_grid("t", [0.0, 1.0, np.inf]))
+    assert t.natural_points() == [0, 2]
+    t = Method(lambda **_: None, **scalar_grid("t", [2.0, 4.0, 8.0]))
+    assert t.natural_points() == []
+    k = Method(lambda **_: None, **choice_grid("k", (1, 2, 3)))
+    assert k.natural_points() == [0]
+    suite = method_suite(
+        ridge_loss(0.1),
+        {},
+        names=("IFCA", "Clustered FedAvg on D"),
+        grids={"IFCA": (1, 2, 3), "Clustered FedAvg on D": (2, 3)},
+        clients_per_round=2,
+        batch_size=2,
+        local_steps=1,
+    )
+    assert suite["IFCA"].natural_points() == [0]
+    assert suite["Clustered FedAvg on D"].natural_points() == []
+    assert Method(lambda **_: None).natural_points() == []
+
+
 def test_cross_validate_matches_a_hand_made_selection():
     """Local ridge training at three learning rates: the CV pick equals the manual one."""
     S, K, rounds = 2, 2, 20
@@ -136,6 +163,9 @@ def test_cross_validate_matches_a_hand_made_selection():
     want = mse[:, :K].mean(-1).mean(1).argmin(-1)
     np.testing.assert_array_equal(out.chosen, want)
     assert out.cv_score.shape == (S, 3) and out.chosen_labels[0].startswith("lr=")
+    # lr = 0 is a natural limit (every value 0); lr = 3 is the open upper edge
+    np.testing.assert_array_equal(out.edge, want == 2)
+    assert [lab.endswith(" [edge]") for lab in out.chosen_labels] == list(want == 2)
     np.testing.assert_allclose(out.metrics["mse"], mse[np.arange(S), K, want], rtol=1e-6)
     assert out.grid_metrics["mse"].shape == (S, 3, 3) and out.finite.all()
     # no grid: final fits only, one grid point
@@ -264,8 +294,11 @@ def test_compare_runs_cross_validate_per_method_and_logs_each():
     kw |= dict(score=lambda m: m["mse"].mean(-1))
     lines = []
     out = compare(methods, jnp.zeros(2), cv, describe=lambda o: "x", log=lines.append, **kw)
-    assert list(out) == ["grid", "fixed"] and len(lines) == 2
-    assert "chosen" in lines[0] and "chosen" not in lines[1] and lines[1].endswith("x")
+    # a two-point grid has only edges: the log says so after the method's line
+    assert list(out) == ["grid", "fixed"] and len(lines) == 3
+    assert "chosen" in lines[0] and "[edge]" in lines[0]
+    assert "grid: CV chose an edge of its grid in 2 of 2 seeds" in lines[1]
+    assert "chosen" not in lines[2] and lines[2].endswith("x")
     for name, m in methods.items():
         want = cross_validate(m, jnp.zeros(2), cv, **kw)
         np.testing.assert_array_equal(out[name].chosen, want.chosen)
