@@ -3,8 +3,9 @@
 Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projection`` /
 ``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) ->
 ``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE)
--> ``reporting`` (tables, JSON, figures). Every public submodule is reachable as an
-attribute after ``import karula_jax``.
+-> ``reporting`` (tables, JSON, figures); ``theory`` holds the quantities of the paper's
+convergence theory. Every public submodule is reachable as an attribute after ``import
+karula_jax``.
 """
 
 from karula_jax import (
@@ -17,6 +18,7 @@ from karula_jax import (
     protocol,
     reporting,
     stats,
+    theory,
     training,
 )
 
@@ -30,6 +32,7 @@ __all__ = [
     "protocol",
     "reporting",
     "stats",
+    "theory",
     "training",
 ]
 __version__ = "0.1.0"
