@@ -83,10 +83,12 @@ def pair_violation(th, radii_sq, *, eps=0.0) -> float:
 
 
 def check_against_cvxpy(v, radii_sq, *, dtype, tol, max_iter, err_tol, viol_tol):
-    ref, _ = cvxpy_projection(v, radii_sq, tol=1e-11)
+    ref, ref_val = cvxpy_projection(v, radii_sq, tol=1e-11)
     scale = np.linalg.norm(v - v.mean(0))  # sqrt(2 S): the size of any move
     if scale == 0:
         return
+    # what the objective 1/2 ||theta - v||^2 resolves: cvxpy's accuracy, the dtype's rounding
+    slack = (1e-9 if dtype == jnp.float64 else 1e-6) * 0.5 * scale**2
     for method in SOLVERS:
         th, info = proj.project(
             jnp.asarray(v, dtype),
@@ -104,8 +106,23 @@ def check_against_cvxpy(v, radii_sq, *, dtype, tol, max_iter, err_tol, viol_tol)
         eps = float(jnp.finfo(dtype).eps)
         assert pair_violation(th, radii_sq, eps=eps) <= viol_tol, method
         assert float(info.rel_violation) >= pair_violation(th, radii_sq) - viol_tol, method
-        # 1/2 ||theta - theta*||^2 <= delta: the certificate holds against cvxpy
-        assert 0.5 * (err * scale) ** 2 <= float(info.delta) + (err_tol * scale) ** 2
+        # The certificate, on a run of the same program truncated after a few iterations
+        # (max_iter is traced: no new compile), where the suboptimality is not ~0: its gap
+        # bounds the true suboptimality. (How tight it is depends on the instance: one
+        # Laplacian step from a cold start was 14x loose on a drawn n = 27; the fixed
+        # instance of test_projection.py's test_certificate_of_truncated_runs checks that.)
+        # This replaces 0.5 (err scale)^2 <= delta + (err_tol scale)^2, which held
+        # whenever err <= err_tol did.
+        th, info = proj.project(
+            jnp.asarray(v, dtype),
+            jnp.asarray(radii_sq, dtype),
+            method=method,
+            tol=tol,
+            max_iter=10 if method == "dykstra" else 1,
+        )
+        subopt = 0.5 * np.sum((np.asarray(th, np.float64) - v) ** 2) - ref_val
+        delta = float(info.delta)
+        assert delta >= subopt - slack, (method, delta, subopt, slack)
 
 
 sizes = st.tuples(
