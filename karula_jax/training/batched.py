@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from karula_jax._checks import defer, deferred_checks
+from karula_jax._checks import DeferredChecks, defer, deferred_checks
 from karula_jax.algorithms.base import Algorithm
 from karula_jax.training import checkpoint as ckpt
 from karula_jax.training.loop import EvalFn, RunResult, run_chunks
@@ -142,7 +142,7 @@ def _factory_checks(
 
     Raises:
       TypeError: ``make_algorithm`` does not return an Algorithm.
-      ValueError: a check failed, naming the argument, where, and the NaN/inf inputs.
+      ValueError: a check failed, naming the argument, where, and the inputs holding NaN.
     """
     names: list[str] = []
     messages: list[str] = []
@@ -169,15 +169,9 @@ def _factory_checks(
     flags = np.asarray(jax.jit(jax.vmap(per_grid, axis_size=num_members))(kw))
     if grid is None:
         flags = flags[:, None]  # [S, 1, k]
-    problems, seen = [], {}
-    for j, message in enumerate(messages):  # one line per message (a check may repeat)
-        seen[message] = seen.get(message, True) & flags[..., j]
-    bad_points = np.zeros(flags.shape[:2], bool)
-    for message, ok in seen.items():
-        if ok.all():
-            continue
-        bad_points |= ~ok
-        problems.append(message + where_in_batch(~ok, leaves != [], grid is not None))
+    failed = DeferredChecks(messages, [flags[..., j] for j in range(len(messages))]).failed()
+    problems = [m + where_in_batch(bad, leaves != [], grid is not None) for m, bad in failed]
+    bad_points = np.any([bad for _, bad in failed], axis=0) if failed else None
     if problems:
         raise ValueError(
             "make_algorithm got bad arguments through batch_kwargs or hyper (traced values, "
