@@ -12,6 +12,33 @@ import pytest
 from experiments import synthetic_ridge as sr
 from karula_jax.data import synthetic_ridge
 
+# The quick run's seeded results (summary["methods"]), to catch a wrong step, weighting or
+# CV choice that leaves the numbers finite and in range. Both are continuous: rtol 1e-3 is
+# far above float noise across machines. Refresh after a deliberate change of the numerics:
+# run the test's command and copy the new values.
+# method: (estimation error per seed, test R^2 per seed)
+PINNED = {
+    "Local": ((38.6068, 42.0003), (0.664778, 0.623728)),
+    "FedSGD": ((12.173, 16.0587), (0.906652, 0.882301)),
+    "FedAvg": ((12.6906, 12.7294), (0.906276, 0.894068)),
+    "IFCA": ((9.24257, 9.25706), (0.879769, 0.859733)),
+    "pFedMe": ((4.15207, 3.67302), (0.939606, 0.943274)),
+    "Karula": ((12.8619, 17.0811), (0.919978, 0.884553)),
+    "Ditto": ((12.7899, 11.2971), (0.921694, 0.922875)),
+    "Clustered FedAvg on D": ((12.6906, 12.3341), (0.906276, 0.898366)),
+    "Karula, true D (diagnostic)": ((7.90383, 11.8512), (0.947556, 0.915233)),
+    "Karula, population D (diagnostic)": ((12.2929, 16.5354), (0.922552, 0.888635)),
+}
+PINNED_CHOICES = {
+    "IFCA": ["k=1", "k=1"],
+    "pFedMe": ["lambda=0.3", "lambda=0.3"],
+    "Karula": ["t=3", "t=3"],
+    "Ditto": ["lam=1", "lam=1"],
+    "Clustered FedAvg on D": ["k=1", "k=3"],
+    "Karula, true D (diagnostic)": ["t=3", "t=3"],
+    "Karula, population D (diagnostic)": ["t=3", "t=3"],
+}
+
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="num_folds"):
@@ -81,6 +108,13 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     assert cfg["config"]["diagnostics"] and len(cfg["spearman_population_D"]) == 2
     assert "`python -m experiments.synthetic_ridge --quick --diagnostics`" in md
     assert all(d in md for d in sr.DIAGNOSTICS)
+    got = summary["methods"]
+    assert set(got) == set(PINNED)
+    for m, (error, r2) in PINNED.items():
+        np.testing.assert_allclose(got[m]["estimation_error"], error, rtol=1e-3, err_msg=m)
+        np.testing.assert_allclose(got[m]["test_r2"], r2, rtol=1e-3, err_msg=m)
+        chosen = [c.removesuffix(" [edge]") for c in got[m]["chosen"]]  # edge: not pinned
+        assert chosen == PINNED_CHOICES.get(m, ["", ""]), m
 
 
 def test_batch_holds_normalized_true_and_population_D():
