@@ -238,8 +238,9 @@ def _members(
         messages: list[str] = []
 
         def checked(kw_s, h, params_s, data_s, key_s):
+            algorithm = make_algorithm(**kw_s, **h)  # its own checks: _factory_checks
             with deferred_checks() as found:
-                state = make_algorithm(**kw_s, **h).init(params_s, data_s, key=key_s)
+                state = algorithm.init(params_s, data_s, key=key_s)
             messages[:] = [m for m, _ in found]
             return state, [jnp.all(ok) for _, ok in found]
 
