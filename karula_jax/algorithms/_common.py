@@ -47,7 +47,6 @@ __all__ = [
     "check_labels",
     "client_keys",
     "client_mean",
-    "graph_laplacian",
     "check_mask",
     "check_nonnegative",
     "check_params",
@@ -60,7 +59,6 @@ __all__ = [
     "defer",
     "gather",
     "init_and_run_keys",
-    "local_sgd",
     "participant_value_and_grads",
     "resolve_weights",
     "run_key",
@@ -283,14 +281,6 @@ def weighted_mean(tree: Any, w: jnp.ndarray) -> Any:
     return jax.tree.map(lambda a: (jnp.tensordot(w, a, axes=1) / total).astype(a.dtype), tree)
 
 
-def graph_laplacian(W) -> jnp.ndarray:
-    """``L = diag(W 1) - W`` of symmetric nonnegative weights ``W`` ``[n, n]`` (diagonal
-    of ``W`` ignored)."""
-    W = jnp.asarray(W)
-    W = jnp.where(jnp.eye(W.shape[0], dtype=bool), 0.0, W)
-    return jnp.diag(jnp.sum(W, axis=1)) - W
-
-
 def broadcast(tree: Any, n: int) -> Any:
     """Every leaf repeated along a new leading client axis of size ``n``."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
@@ -458,36 +448,10 @@ def participant_value_and_grads(
       (unweighted: gradients of ``f_i`` itself).
     """
     # Client i's minibatch uses fold_in(fold_in(key, i), 0): the same rows as step 0 of
-    # local_sgd(key=fold_in(key, i)), so FedAvg with E = 1 reproduces FedSGD exactly.
+    # _local.local_sgd(key=fold_in(key, i)), so FedAvg with E = 1 reproduces FedSGD exactly.
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(client_keys(key, idx))
     kernel = jax.vmap(lambda p, x, y, c, k: _client_value_and_grad(loss, batch_size, p, x, y, c, k))
     return kernel(gather(params, idx), data.x[idx], data.y[idx], data.counts[idx], keys)
-
-
-def local_sgd(loss, params: Any, x, y, count, key, *, steps: int, learning_rate, batch_size: int):
-    """``steps`` SGD steps on one client's mean loss, a fresh minibatch each step.
-
-    Args:
-      loss: the user loss.
-      params: ONE client's model (no client axis).
-      x: features ``[N_max, ...]``; y: targets ``[N_max, ...]``; count: ``N_i``.
-      key: PRNG key; step ``e`` uses ``fold_in(key, e)``.
-      steps: number of steps ``E`` (static).
-      learning_rate: step size (may be traced).
-      batch_size: ``B`` (static).
-
-    Returns:
-      ``(params, first_loss)``: the model after ``E`` steps and the minibatch loss
-      before the first step.
-    """
-
-    def step(p, e):
-        xb, yb, mb = client_batch(jax.random.fold_in(key, e), x, y, count, batch_size)
-        value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
-        return jax.tree.map(lambda a, b: a - learning_rate * b, p, g), value
-
-    params, values = lax.scan(step, params, jnp.arange(steps))
-    return params, values[0]
 
 
 def tree_sq_dist(a: Any, b: Any) -> jnp.ndarray:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._local import aggregate, local_train
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 from karula_jax.data.clients import ClientData
@@ -209,36 +210,11 @@ def fedavg(
 
     def round_fn(state: FedState, data: ClientData):
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        rows, values = _local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
+        rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)
-        params = _aggregate(state.params, idx, rows, avg, personalized)
+        params = aggregate(state.params, idx, rows, avg, personalized)
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
     return Algorithm(init=init, round=round_fn, client_params=C.own_params)
-
-
-def _local_train(loss, params, data: ClientData, idx, key, steps, learning_rate, batch_size):
-    """Runs :func:`_common.local_sgd` for the participants ``idx`` from their rows."""
-    keys = C.client_keys(key, idx)
-
-    def one(p, x, y, c, k):
-        return C.local_sgd(
-            loss, p, x, y, c, k, steps=steps, learning_rate=learning_rate, batch_size=batch_size
-        )
-
-    return jax.vmap(one)(C.gather(params, idx), data.x[idx], data.y[idx], data.counts[idx], keys)
-
-
-def _aggregate(params, idx, rows, avg, personalized):
-    """Shared leaves: ``avg``, stored once (``[1, ...]``); personalized leaves: the
-    participants' rows."""
-    if personalized is None:
-        return jax.tree.map(lambda a: a[None], avg)
-    flags = jax.tree.map(bool, personalized)
-
-    def leaf(flag, p, r, a):
-        return p.at[idx].set(r) if flag else a[None].astype(p.dtype)
-
-    return jax.tree.map(leaf, flags, params, rows, avg)

@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._graph import check_dissimilarity, weights_numpy
+from karula_jax.algorithms._local import local_train
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
-from karula_jax.algorithms.baselines import _local_train
-from karula_jax.algorithms.karula import _check_dissimilarity
-from karula_jax.algorithms.laplacian import _weights_numpy
 
 __all__ = ["CLUSTER_METHODS", "cluster_clients", "clustered_fedavg"]
 
@@ -116,7 +115,7 @@ def _lloyd(X: np.ndarray, centers: np.ndarray, max_iter: int) -> tuple[np.ndarra
 
 def _spectral(D, k: int, seed: int, restarts: int, max_iter: int) -> np.ndarray:
     """Normalized spectral clustering (Ng, Jordan and Weiss 2002) of ``D``."""
-    W = _weights_numpy(D)
+    W = weights_numpy(D)
     deg = W.sum(1)
     inv_sqrt = np.where(deg > 0, 1.0 / np.sqrt(np.where(deg > 0, deg, 1.0)), 0.0)
     # isolated clients (degree 0) get a zero row and column: eigenvalue 0, their own group
@@ -167,7 +166,7 @@ def cluster_clients(
         ``[1, n]``; unknown ``method``.
       TypeError: ``k`` or ``restarts`` not an int.
     """
-    _check_dissimilarity(D)
+    check_dissimilarity(D)
     d = C.concrete(D)
     if d is None:
         raise ValueError("D must be a concrete array (cluster_clients runs outside jit)")
@@ -272,7 +271,7 @@ def clustered_fedavg(
     def round_fn(state: FedState, data):
         _check_data(data)
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        rows, values = _local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
+        rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         same = labels[:, None] == labels[idx][None, :]  # [n, s]: participant j in i's group
         Wt = jnp.where(same, a_s[None, :], 0.0)  # [n, s]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._local import local_sgd
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -114,7 +115,7 @@ def ditto(
         return jax.tree.map(lambda f, a, b: a if f else b, flags, v, w)
 
     def client(w, v, x, y, count, key_global, key_personal):
-        w_i, _ = C.local_sgd(
+        w_i, _ = local_sgd(
             loss, w, x, y, count, key_global, steps=E, learning_rate=learning_rate, batch_size=B
         )
         flags = flags_like(w)

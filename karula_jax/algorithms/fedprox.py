@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._local import aggregate
 from karula_jax.algorithms.base import Algorithm, LossFn
-from karula_jax.algorithms.baselines import _aggregate
 from karula_jax.data.clients import ClientData
 
 __all__ = ["fedprox"]
@@ -95,7 +95,7 @@ def fedprox(
         )
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)
-        params = _aggregate(state.params, idx, rows, avg, personalized)
+        params = aggregate(state.params, idx, rows, avg, personalized)
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._local import local_train
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
-from karula_jax.algorithms.baselines import _local_train
 from karula_jax.data.clients import ClientData
 
 __all__ = ["IFCAState", "ifca", "ifca_assign"]
@@ -151,7 +151,7 @@ def ifca(
         choice = jax.vmap(choose)(data.x[idx], data.y[idx], data.counts[idx], keys)
         start = C.gather(clusters, choice)
         start_full = C.scatter(state.params, idx, start)
-        rows, values = _local_train(loss, start_full, data, idx, key_batch, E, learning_rate, B)
+        rows, values = local_train(loss, start_full, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         W = jax.nn.one_hot(choice, k, dtype=jnp.float32) * a_s[:, None]  # [s, k]
         total = jnp.sum(W, axis=0)  # [k]

@@ -21,6 +21,7 @@ import numpy as np
 
 from karula_jax._checks import check_bool_leaves
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._graph import check_dissimilarity
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.step_size import (
     check_smoothness,
@@ -45,32 +46,6 @@ class KarulaExtra(NamedTuple):
     """
 
     learning_rate: jnp.ndarray  # [] floating, the dtype of params
-
-
-def _check_dissimilarity(D) -> None:
-    """``D`` square, no NaN, ``>= 0``, symmetric (values deferred when traced)."""
-    d = C.concrete(D)
-    if d is None:
-        if len(jnp.shape(D)) != 2 or jnp.shape(D)[0] != jnp.shape(D)[1]:
-            raise ValueError(f"D must be a square matrix of shape [n, n], got {jnp.shape(D)}")
-        d = jnp.asarray(D)
-        C.defer("dissimilarity D contains NaN", jnp.all(~jnp.isnan(d)))
-        C.defer("dissimilarity D has negative entries (it must be >= 0)", jnp.all(~(d < 0)))
-        finite = lambda a: jnp.where(jnp.isinf(a), 0, a)
-        close = jnp.abs(finite(d) - finite(d.T)) <= 1e-6 + 1e-5 * jnp.abs(finite(d.T))
-        nan = jnp.isnan(d) | jnp.isnan(d.T)  # reported as NaN above
-        C.defer("dissimilarity D is not symmetric", jnp.all((d == d.T) | close | nan))
-        return
-    if d.ndim != 2 or d.shape[0] != d.shape[1]:
-        raise ValueError(f"D must be a square matrix of shape [n, n], got shape {d.shape}")
-    if np.any(np.isnan(d)):
-        raise ValueError("D must not contain NaN")
-    if np.any(d < 0):
-        raise ValueError(f"D must be >= 0 (inf allowed), found minimum {d.min()}")
-    if not np.array_equal(d, d.T) and not np.allclose(
-        np.where(np.isinf(d), 0, d), np.where(np.isinf(d.T), 0, d.T), rtol=1e-5, atol=1e-6
-    ):
-        raise ValueError("D must be symmetric")
 
 
 def radii_squared(t, D) -> jnp.ndarray:
@@ -172,11 +147,11 @@ def karula(
        connectivity, so the limit ``2 / h`` of case 1 becomes ``2 / (h (1 - kappa))``
        with ``kappa = mu_2 / h``, and for ``kappa >= 1`` only the mean's limit (case 2)
        is left. The rule applies this factor to ``free`` and caps it at ``tied``.
-       ``kappa`` comes from a pilot (:func:`~karula_jax.algorithms.coupling`): for
+       ``kappa`` comes from a pilot (:func:`~karula_jax.algorithms.step_size.coupling`): for
        ``F_i = (h / 2) ||theta_i - theta_i°||^2`` the solution is the Euclidean
        projection onto ``K`` of the local optima ``theta°``, whose multipliers are
        ``Lambda / h``; so ``kappa`` is the algebraic connectivity of the multipliers of
-       projecting approximate local optima (:func:`~karula_jax.algorithms.local_optima`:
+       projecting approximate local optima (:func:`~karula_jax.algorithms.step_size.local_optima`:
        20 full-batch gradient steps at ``1 / L_i`` from ``params``; fewer steps
        underestimate the clients' separation, hence ``kappa``). It assumes one
        curvature for every client and multipliers at the solution like the pilot's,
@@ -245,7 +220,7 @@ def karula(
     """
     from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
 
-    _check_dissimilarity(D)
+    check_dissimilarity(D)
     C.check_nonnegative("t", t, allow_inf=True)
     if isinstance(learning_rate, str):
         if learning_rate != "theorem":

@@ -28,9 +28,8 @@ import numpy as np
 
 from karula_jax import _linalg
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms._common import graph_laplacian
+from karula_jax.algorithms._graph import check_dissimilarity, graph_laplacian, weights_numpy
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
-from karula_jax.algorithms.karula import _check_dissimilarity
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
 
@@ -60,13 +59,13 @@ def graph_weights(D, *, scale=None) -> jnp.ndarray:
       ValueError: ``D`` not square, not symmetric, negative or NaN; ``scale`` not
         finite and positive.
     """
-    _check_dissimilarity(D)
+    check_dissimilarity(D)
     if scale is not None:
         C.check_positive("scale", scale)
     d = C.concrete(D)
     dtype = jnp.float64 if jnp.result_type(D) == jnp.float64 else jnp.float32
     if d is not None and (scale is None or C.concrete(scale) is not None):
-        return jnp.asarray(_weights_numpy(d, scale), dtype)
+        return jnp.asarray(weights_numpy(d, scale), dtype)
     D = jnp.asarray(D, dtype)
     n = D.shape[0]
     off = ~jnp.eye(n, dtype=bool)
@@ -77,22 +76,6 @@ def graph_weights(D, *, scale=None) -> jnp.ndarray:
         scale = jnp.where(med > 0, med, jnp.where(med_pos > 0, med_pos, 1.0))
     scale = jnp.asarray(scale, dtype)
     return jnp.where(off, jnp.exp(-D / scale), 0.0).astype(dtype)
-
-
-def _weights_numpy(d: np.ndarray, scale=None) -> np.ndarray:
-    """:func:`graph_weights` of a concrete ``D`` in float64 numpy."""
-    d = np.asarray(d, np.float64)
-    n = d.shape[0]
-    off = ~np.eye(n, dtype=bool)
-    if scale is None:
-        vals = d[off & np.isfinite(d)]
-        pos = vals[vals > 0]
-        med = np.median(vals) if vals.size else 0.0
-        med_pos = np.median(pos) if pos.size else 0.0
-        scale = med if med > 0 else (med_pos if med_pos > 0 else 1.0)
-    with np.errstate(over="ignore", under="ignore"):
-        w = np.exp(-d / float(scale))
-    return np.where(off, w, 0.0)
 
 
 def _check_weight_matrix(W, n: int) -> None:
@@ -215,7 +198,7 @@ def laplacian_penalty(
         < 1 (``s > n`` at ``init``/``round``); bad ``weights`` or ``graph_weights``;
         ``personalized`` not shaped like ``params`` (at ``init``).
     """
-    _check_dissimilarity(D)
+    check_dissimilarity(D)
     C.check_nonnegative("mu", mu, allow_inf=True)
     C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
@@ -224,7 +207,7 @@ def laplacian_penalty(
     n = jnp.shape(D)[0]
     if graph_weights is None:
         d = C.concrete(D)
-        W = _weights_numpy(d) if d is not None else _default_weights(D)
+        W = weights_numpy(d) if d is not None else _default_weights(D)
     else:
         W = graph_weights(D) if callable(graph_weights) else graph_weights
         _check_weight_matrix(W, n)

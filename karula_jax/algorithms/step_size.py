@@ -33,6 +33,7 @@ from jax.flatten_util import ravel_pytree
 
 from karula_jax import _linalg
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._graph import graph_laplacian
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -250,7 +251,7 @@ def coupling(lam, radii_sq) -> jnp.ndarray:
     if n < 2:
         return jnp.zeros((), jnp.float32)
     w = jnp.where(jnp.asarray(radii_sq) == 0, MAX_MULTIPLIER, jnp.clip(lam, 0.0, MAX_MULTIPLIER))
-    laplacian = C.graph_laplacian(0.5 * (w + w.T))
+    laplacian = graph_laplacian(0.5 * (w + w.T))
     return jnp.maximum(_linalg.eigvalsh(laplacian)[1], 0.0)
 
 

@@ -483,8 +483,8 @@ def run_many(
     options = {**_RUN_OPTIONS, **run_kwargs}
     if shard not in SHARD_AXES:
         raise ValueError(f"shard must be one of {SHARD_AXES}, got {shard!r}")
-    keys = keys if ckpt._is_key(keys) else jnp.asarray(keys)
-    key_batch_ndim = 1 if ckpt._is_key(keys) else 2
+    keys = keys if ckpt.is_key(keys) else jnp.asarray(keys)
+    key_batch_ndim = 1 if ckpt.is_key(keys) else 2
     if keys.ndim != key_batch_ndim:
         raise ValueError(
             f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"

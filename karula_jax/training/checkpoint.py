@@ -44,12 +44,13 @@ _FORMAT = "karula_jax.training.checkpoint/2"
 _TMP_PREFIX = ".tmp-karula_jax-"
 
 
-def _is_key(x) -> bool:
+def is_key(x) -> bool:
+    """Whether ``x`` is an array of typed PRNG keys (``jax.random.key``)."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _leaf_spec(x) -> dict:
-    if _is_key(x):
+    if is_key(x):
         return {
             "shape": list(x.shape),
             "dtype": str(x.dtype),
@@ -60,19 +61,19 @@ def _leaf_spec(x) -> dict:
 
 def _spec_of_struct(s) -> dict:
     """Leaf spec of a ``ShapeDtypeStruct`` (from ``jax.eval_shape``)."""
-    if _is_key(s):
+    if is_key(s):
         return {"shape": list(s.shape), "dtype": str(s.dtype), "key_impl": "?"}
     return {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype)), "key_impl": None}
 
 
 def key_fingerprint(key) -> list:
     """The key's data as a JSON list (typed or raw keys, one or stacked)."""
-    data = jax.random.key_data(key) if _is_key(key) else key
+    data = jax.random.key_data(key) if is_key(key) else key
     return np.asarray(jax.device_get(data)).ravel().tolist()
 
 
 def _hash_array(h, x) -> None:
-    if _is_key(x):
+    if is_key(x):
         h.update(f"key:{jax.random.key_impl(x)}".encode())
         x = jax.random.key_data(x)
     a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
@@ -183,7 +184,7 @@ def save_checkpoint(
     specs = []
     for i, leaf in enumerate(leaves):
         specs.append(_leaf_spec(leaf))
-        value = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+        value = jax.random.key_data(leaf) if is_key(leaf) else leaf
         arrays[f"state_{i:04d}"] = np.asarray(jax.device_get(value))
     if info is not None:
         for name, value in zip(info._fields, info, strict=True):
