@@ -14,6 +14,8 @@ import numpy as np
 from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import projection, training
+from karula_jax.algorithms._common import client_batch, sample_participants
+from karula_jax.algorithms.variance_reduction import variance_reduced_direction
 from karula_jax.data import client_weights, random_classification
 from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
 from karula_jax.reporting import cli, machine
@@ -72,11 +74,11 @@ def eager_round(state, *, data, cfg, grad_fn, project, radii):
     """
     alpha = client_weights(data.counts)
     key_part, key_batch = jax.random.split(jax.random.fold_in(state.key, state.round))
-    idx = A.sample_participants(key_part, data.num_clients, cfg.per_round)[1]
+    idx = sample_participants(key_part, data.num_clients, cfg.per_round)[1]
 
     def grad(p, i, e):
         k = jax.random.fold_in(jax.random.fold_in(key_batch, i), e)
-        batch = A.client_batch(k, data.x[i], data.y[i], data.counts[i], cfg.batch_size)
+        batch = client_batch(k, data.x[i], data.y[i], data.counts[i], cfg.batch_size)
         return grad_fn(p, *batch)[1]
 
     rows = {i: jax.tree.map(lambda a, i=i: a[i], state.params) for i in idx.tolist()}
@@ -91,7 +93,7 @@ def eager_round(state, *, data, cfg, grad_fn, project, radii):
         return state._replace(params=params, round=state.round + 1)
     G = [jax.tree.map(lambda g, i=i: alpha[i] * g, grad(p, i, 0)) for i, p in rows.items()]
     G = jax.tree.map(lambda *g: jnp.stack(g), *G)
-    nu, memory = A.variance_reduced_direction(state.memory, G, idx)
+    nu, memory = variance_reduced_direction(state.memory, G, idx)
     v = jax.tree.map(lambda th, d: th - cfg.karula_lr * d, state.params, nu)
     theta, info = project(v, radii, warm_start=state.proj_state)
     return state._replace(params=theta, memory=memory, proj_state=info.state, round=state.round + 1)

@@ -24,13 +24,8 @@ from _alg_problems import (
 )
 
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms import (
-    karula,
-    lipschitz_ridge,
-    local,
-    radii_squared,
-    variance_reduced_direction,
-)
+from karula_jax.algorithms import karula, lipschitz_ridge, local, radii_squared
+from karula_jax.algorithms.variance_reduction import variance_reduced_direction
 from karula_jax.data import synthetic_ridge
 
 FULL = 64  # >= N_max: exact gradients
@@ -50,7 +45,7 @@ def _eta(data) -> float:
     return 3.0 / (8.0 * lipschitz_ridge(data, LAM))
 
 
-def _cvxpy_reference(data, D, t, shared_bias=False):
+def cvxpy_reference(data, D, t, shared_bias=False):
     """``min (1/n) sum alpha_i f_i(theta_i)`` s.t. ``||theta_i - theta_j||^2 <= t D_ij``."""
     A, b = quadratics(data)
     a = alphas(data)
@@ -255,7 +250,7 @@ def test_converges_to_cvxpy_solution(s):
     data = problem().train
     D = true_dissimilarity()
     t = 0.5
-    ref = _cvxpy_reference(data, D, t)
+    ref = cvxpy_reference(data, D, t)
     # the constraints matter: the unconstrained (local) solution is far from ref
     A, b = quadratics(data)
     own = np.linalg.solve(A, b[..., None])[..., 0]
@@ -320,7 +315,7 @@ def test_shared_leaves_reach_consensus_cvxpy():
     )
     assert state.params["c"].shape == (1,)  # stored once
     c = float(state.params["c"][0])
-    W_ref, c_ref = _cvxpy_reference(data, D, t, shared_bias=True)
+    W_ref, c_ref = cvxpy_reference(data, D, t, shared_bias=True)
     assert abs(c_ref) > 0.5
     A, b = quadratics(aug)  # each client's own [w, c]: the constraints bind
     own = np.linalg.solve(A, b[..., None])[:, :DIM, 0]
@@ -405,7 +400,7 @@ def test_odd_and_even_n_reach_cvxpy_optimum_with_partial_participation(n):
     th_true = np.asarray(ds.theta_true, np.float64)
     D = ((th_true[:, None] - th_true[None]) ** 2).sum(-1)
     t = 0.5
-    ref = _cvxpy_reference(data, D, t)
+    ref = cvxpy_reference(data, D, t)
     A, b = quadratics(data)
     own = np.linalg.solve(A, b[..., None])[..., 0]
     assert np.linalg.norm(own - ref) > 0.1 * np.linalg.norm(ref)  # constraints bind

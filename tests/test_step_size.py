@@ -16,23 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _alg_problems import LAM, N_CLIENTS, alphas, problem, quadratics, true_dissimilarity
-from test_alg_karula import _cvxpy_reference
+from test_alg_karula import cvxpy_reference
 
 from karula_jax import models
 from karula_jax import projection as P
 from karula_jax.algorithms import (
     KarulaExtra,
-    coupling,
     karula,
     karula_learning_rate,
     lipschitz_logistic,
     lipschitz_ridge,
-    local_optima,
     radii_squared,
     smoothness_estimate,
 )
 from karula_jax.algorithms import _common as C
-from karula_jax.algorithms.step_size import consensus_stability_factor, stability_factor
+from karula_jax.algorithms.step_size import (
+    consensus_stability_factor,
+    coupling,
+    local_optima,
+    stability_factor,
+)
 from karula_jax.data import ClientData, client_weights
 
 FULL = 64  # >= N_max: exact gradients
@@ -444,7 +447,7 @@ def test_default_is_stable_and_not_needlessly_small(name):
 
     if name == "ridge":  # Karula at the default reaches the cvxpy optimum
         data = problem().train
-        ref = _cvxpy_reference(data, true_dissimilarity(), TS[MIDDLE])
+        ref = cvxpy_reference(data, true_dissimilarity(), TS[MIDDLE])
         for s in SS[1:]:
             theta = np.asarray(res[s][3][MIDDLE, 0], np.float64)
             assert np.linalg.norm(theta - ref) <= 1e-4 * np.linalg.norm(ref), s

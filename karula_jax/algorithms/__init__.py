@@ -33,13 +33,19 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 * ``clustered_fedavg(lr)``: ``fedavg(lr)`` inside fixed groups of clients
   (:func:`cluster_clients` of ``D``); one group equals ``fedavg``.
 
-Round ``k`` draws its participants with :func:`sample_participants` and each participant's
-minibatches with :func:`client_batch` from ``split(fold_in(state.key, k))``; both are
-public so that code outside the compiled rounds (e.g. an eager reference loop) draws the
-same ones.
+Round ``k`` draws its participants with ``_common.sample_participants`` and each
+participant's minibatches with ``_common.client_batch`` from
+``split(fold_in(state.key, k))``; code outside the compiled rounds (e.g. an eager reference
+loop) imports them from :mod:`karula_jax.algorithms._common` to draw the same ones.
+
+``__all__`` holds what a user calls: the factories, their state and loss types, and the
+constants and rules that choose their arguments (``lipschitz_*``, ``*_learning_rate``,
+``client_smoothness``, ``smoothness_estimate``, ``radii_squared``, ``graph_weights``,
+``graph_laplacian``, ``cluster_clients``, ``ifca_assign``). The building blocks of a round
+(SAGA memory in :mod:`~karula_jax.algorithms.variance_reduction`, the step-size pilot in
+:mod:`~karula_jax.algorithms.step_size`) are imported from their own modules.
 """
 
-from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.baselines import fedavg, fedsgd, local
 from karula_jax.algorithms.clustered import cluster_clients, clustered_fedavg
@@ -53,14 +59,10 @@ from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
 from karula_jax.algorithms.scaffold import scaffold
 from karula_jax.algorithms.step_size import (
     client_smoothness,
-    coupling,
     karula_learning_rate,
-    local_optima,
     smoothness_estimate,
-    stability_factor,
     theorem_learning_rate,
 )
-from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 
 __all__ = [
     "Algorithm",
@@ -69,11 +71,9 @@ __all__ = [
     "KarulaExtra",
     "LossFn",
     "RoundInfo",
-    "client_batch",
     "client_smoothness",
     "cluster_clients",
     "clustered_fedavg",
-    "coupling",
     "ditto",
     "fedavg",
     "fedprox",
@@ -82,7 +82,6 @@ __all__ = [
     "graph_weights",
     "ifca",
     "ifca_assign",
-    "init_memory",
     "karula",
     "karula_learning_rate",
     "theorem_learning_rate",
@@ -90,12 +89,8 @@ __all__ = [
     "lipschitz_logistic",
     "lipschitz_ridge",
     "local",
-    "local_optima",
     "pfedme",
     "radii_squared",
-    "sample_participants",
     "scaffold",
     "smoothness_estimate",
-    "stability_factor",
-    "variance_reduced_direction",
 ]
