@@ -30,7 +30,8 @@ class StudyConfig:
     the clients have trained apart, so that Karula's constraints bind.
 
     Command: ``python -m experiments.bench_study [--FIELD VALUE ...] [--out FILE]`` writes
-    ``results/bench/study.md``; ``--quick`` prints a tiny setting (seconds).
+    ``results/bench/study.md``; ``--quick`` prints a tiny setting (2 min on a loaded
+    machine, nearly all compilation).
 
     Workloads (one row each): ``ridge n`` for every n in ``ridge_sizes`` (the synthetic
     study's clients: ``synthetic_ridge``, d = ``dim``, s = n / 3, full gradients, steps
