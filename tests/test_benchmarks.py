@@ -43,3 +43,17 @@ def test_bare_round_runs_without_the_projection_even_after_the_full_round():
         )
         dist = np.linalg.norm(out[:, None] - out[None], axis=-1)
         assert bool(np.all(dist <= radius * (1 + 1e-3) + 1e-6)) is holds
+
+
+def test_bench_study_times_a_binding_round_and_reports_the_solver():
+    # A smoke run of experiments.bench_study on a tiny ridge batch: the row carries the
+    # solver's statistics, and at t = 0.5 on the normalized D the constraints bind.
+    from experiments import bench_study as bs
+
+    cfg = bs.StudyConfig(t_grid=(0.5,), warmup=3, rounds=1, dim=5)
+    result = bs.bench_workload(cfg, bs.linear_workload(cfg, "ridge", 6, 2))
+    assert result["members"] == 2 and result["its"].shape == (1, 2)
+    assert result["cap_hits"] == 0 and result["unconverged"] == 0
+    assert result["active"] > 0
+    assert result["karula_ms"] > 0 and result["fedavg_ms"] > 0
+    assert "|" in bs.row(result) and bs.distribution(np.array([0, 1, 7])) == "0:33% 1:33% 6-10:33%"

@@ -234,6 +234,40 @@ def test_warm_start_from_neighbouring_problem(method):
     np.testing.assert_allclose(warm, cold, atol=1e-5 * np.abs(cold).max())
 
 
+@pytest.mark.parametrize("method", SOLVERS)
+def test_warm_started_training_run_matches_cold_solves(method):
+    # Projected gradient steps toward each client's own optimum (a training run whose
+    # constraints bind every step): each projection warm-started from the last one's
+    # state must meet the tolerance and land where a cold solve does. 1/2||theta - v||^2
+    # is 1-strongly convex, so a feasible point with certified gap delta lies within
+    # sqrt(2 delta) of the projection: the two answers are within the sum of those radii.
+    v0, radii_sq = _instance(11, 9, 6)
+    rng = np.random.default_rng(12)
+    optima = v0 + 2.0 * rng.normal(size=v0.shape)
+    tol = 1e-4  # the experiments' tolerance (Dykstra needs more than 500 sweeps for 1e-6)
+    run = jax.jit(
+        lambda v, state: proj.project(v, radii_sq, method=method, tol=tol, warm_start=state)
+    )
+    cold = jax.jit(lambda v: proj.project(v, radii_sq, method=method, tol=tol))
+    theta = jnp.asarray(v0, jnp.float32)
+    state = proj.init_projection_state(theta, method=method)
+    its_warm = its_cold = 0
+    for _ in range(12):
+        v = theta - 0.3 * (theta - optima)
+        theta, info = run(v, state)
+        state = info.state
+        theta_c, info_c = cold(v)
+        assert bool(info.converged) and bool(info_c.converged)
+        gap = np.sqrt(2 * float(info.delta)) + np.sqrt(2 * float(info_c.delta))
+        scale = np.sqrt(2 * float(info.delta / jnp.maximum(info.rel_delta, 1e-30)))
+        dist = float(jnp.linalg.norm(theta - theta_c))
+        assert dist <= gap + 1e-4 * scale, (dist, gap)
+        assert float(info.rel_violation) <= 1e-5
+        its_warm += int(info.iterations)
+        its_cold += int(info_c.iterations)
+    assert 0 < its_warm < its_cold, (its_warm, its_cold)
+
+
 def test_compiles_once_and_runs_in_jit_scan_vmap(monkeypatch):
     v, radii_sq = _instance(9, 8, 5, "groups")
     vj, rj = jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq, jnp.float32)
