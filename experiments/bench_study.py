@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import RESULTS, markdown_table, publish
+from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax import projection, protocol
@@ -30,7 +30,8 @@ class StudyConfig:
     the clients have trained apart, so that Karula's constraints bind.
 
     Command: ``python -m experiments.bench_study [--FIELD VALUE ...] [--out FILE]`` writes
-    ``results/bench/study.md``; ``--quick`` prints a tiny setting (2 min on a loaded
+    ``runs/bench/study.md`` (``--out results/bench/study.md`` refreshes the committed page);
+    ``--quick`` prints a tiny setting (2 min on a loaded
     machine, nearly all compilation).
 
     Workloads (one row each): ``ridge n`` for every n in ``ridge_sizes`` (the synthetic
@@ -361,7 +362,7 @@ def to_markdown(cfg, argv, rows) -> str:
 
 
 def main(argv=None) -> None:
-    out = RESULTS / "bench/study.md"
+    out = OUTPUT / "bench/study.md"
     cfg, args = cli(StudyConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
     rows = []
     for make in progress_bar(list(workloads(cfg)), desc="workload"):
