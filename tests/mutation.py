@@ -1,6 +1,8 @@
 """Plants bugs in the core, one at a time, and reports which ones the test suite catches.
 
-Usage (from anywhere; a script, not a test module, so pytest never collects it)::
+Usage (from anywhere). A script, not a test module: its name matches neither of pytest's
+default ``python_files`` patterns (``test_*.py``, ``*_test.py``; pyproject sets none), so
+``python -m pytest`` never imports it::
 
     python tests/mutation.py                        # every mutant
     python tests/mutation.py --only pair_kernel_second_end certificate_half_gap
@@ -8,15 +10,17 @@ Usage (from anywhere; a script, not a test module, so pytest never collects it):
     python tests/mutation.py --write results/mutation.md
 
 Each mutant is one row of :data:`MUTANTS`: a file of the library, an exact piece of its
-text, the text that replaces it, and the test files that should catch the change. For
-every mutant the script copies the working tree (tracked files and untracked files that
-git does not ignore) into a fresh temporary folder, makes the one replacement there, checks
-that ``import karula_jax`` in that folder loads the copy and sees the change, and runs
-``python -m pytest -q -x -p no:cacheprovider <test files>`` in it. The mutant is *killed*
-when a test fails, *survived* when every test passes. At the end the tests that killed a
-mutant are rerun on an unmutated copy (``--no-baseline`` skips this): a kill by a test that
-fails anyway counts as an error. The repository itself is never written to (except the
-page ``--write`` names).
+text, the text that replaces it, and the test files that should catch the change. The
+script copies the working tree (tracked files as edited, and untracked files that git does
+not ignore) once into a temporary snapshot; for every mutant it copies that snapshot into a
+fresh folder, makes the one replacement there, checks that ``import karula_jax`` in that
+folder loads the copy and sees the change, and runs
+``python -m pytest -q -x -p no:cacheprovider <test files>`` in it, one mutant at a time
+(``KARULA_DATA_DIR`` points the copy's tests at ``../shared/data`` of this checkout).
+The mutant is *killed* when a test fails, *survived* when every test passes. At the end
+the tests that killed a mutant are rerun on an unmutated copy (``--no-baseline`` skips
+this): a kill by a test that fails anyway counts as an error. Nothing in the repository is
+written, except the page ``--write`` names.
 
 A row whose text is not found exactly once in its file stops the script before anything
 runs, so that the table cannot rot silently when the code changes: update the row.
