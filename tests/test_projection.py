@@ -169,6 +169,22 @@ def test_certificate_of_truncated_runs(x64):
                 assert _max_violation(th, radii_sq) <= (1e-12 if x64 else 1e-6) * np.sqrt(
                     radii_sq.max()
                 )
+        # The multipliers behind the certificate are a dual point (>= 0, symmetric, zero
+        # diagonal) after any number of iterations, the first included: there a Dykstra
+        # multiplier that is not clipped at 0 is negative, and g(lam) bounds nothing.
+        for method in ("dykstra", "laplacian"):
+            for max_iter in (1, 2):
+                _, info = proj.project(
+                    jnp.asarray(v, dtype),
+                    jnp.asarray(radii_sq, dtype),
+                    method=method,
+                    tol=1e-14,
+                    max_iter=max_iter,
+                )
+                lam = np.asarray(info.state.lam, np.float64)
+                assert lam.min() >= 0, (method, max_iter, lam.min())
+                np.testing.assert_allclose(lam, lam.T, rtol=1e-6, atol=0)
+                assert np.all(np.diag(lam) == 0) and lam.max() > 0
 
 
 @pytest.mark.parametrize("method", SOLVERS)
