@@ -145,16 +145,17 @@ def test_certificate_of_truncated_runs(x64):
     scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
     dtype = jnp.float64 if x64 else jnp.float32
     rtol = 1e-9 if x64 else 1e-3  # float32: F(theta) rounds to ~1e-7 S, gaps >= 1e-3 S
+    truncated = lambda method, max_iter: proj.project(
+        jnp.asarray(v, dtype),
+        jnp.asarray(radii_sq, dtype),
+        method=method,
+        tol=1e-14,
+        max_iter=max_iter,
+    )
     with jax.enable_x64(x64):
         for method, its in (("dykstra", (10, 30)), ("laplacian", (1, 3))):
             for max_iter in its:
-                th, info = proj.project(
-                    jnp.asarray(v, dtype),
-                    jnp.asarray(radii_sq, dtype),
-                    method=method,
-                    tol=1e-14,
-                    max_iter=max_iter,
-                )
+                th, info = truncated(method, max_iter)
                 assert not bool(info.converged) and int(info.iterations) == max_iter
                 assert np.asarray(th).dtype == dtype
                 obj = _objective(th, v)
@@ -174,14 +175,7 @@ def test_certificate_of_truncated_runs(x64):
         # multiplier that is not clipped at 0 is negative, and g(lam) bounds nothing.
         for method in ("dykstra", "laplacian"):
             for max_iter in (1, 2):
-                _, info = proj.project(
-                    jnp.asarray(v, dtype),
-                    jnp.asarray(radii_sq, dtype),
-                    method=method,
-                    tol=1e-14,
-                    max_iter=max_iter,
-                )
-                lam = np.asarray(info.state.lam, np.float64)
+                lam = np.asarray(truncated(method, max_iter)[1].state.lam, np.float64)
                 assert lam.min() >= 0, (method, max_iter, lam.min())
                 np.testing.assert_allclose(lam, lam.T, rtol=1e-6, atol=0)
                 assert np.all(np.diag(lam) == 0) and lam.max() > 0
