@@ -119,11 +119,6 @@ class Workload(NamedTuple):
     batch: int
 
 
-def _normalize(D):
-    n = D.shape[-1]
-    return D / (np.sum(D, axis=(-2, -1), keepdims=True) / (n * (n - 1)))
-
-
 def _member_grid(cfg: StudyConfig, members: int):
     T = min(len(cfg.t_grid), members)
     seeds = [b // T for b in range(members)]
@@ -158,7 +153,7 @@ def linear_workload(cfg: StudyConfig, kind: str, n: int, members: int) -> Worklo
         p=p,
         params=params,
         data=data,
-        D=jnp.asarray(_normalize(D), jnp.float32),
+        D=jnp.asarray(protocol.mean_normalized(D), jnp.float32),
         t=jnp.asarray(ts),
         rate_karula=jnp.asarray(cfg.rate_karula / L_f, jnp.float32),
         rate_fedavg=jnp.asarray(cfg.rate_fedavg / L_max, jnp.float32),
@@ -197,7 +192,7 @@ def mlp_workload(cfg: StudyConfig, n: int, members: int) -> Workload:
         p=p,
         params=params,
         data=data,
-        D=jnp.asarray(_normalize(np.stack(D)), jnp.float32),
+        D=jnp.asarray(protocol.mean_normalized(np.stack(D)), jnp.float32),
         t=jnp.full((members,), cfg.mlp_t, jnp.float32),
         rate_karula=None,
         rate_fedavg=jnp.full((members,), 0.05, jnp.float32),

@@ -136,12 +136,6 @@ class Batch(NamedTuple):
     spearman_population: np.ndarray | None  # [S] Spearman of D_population with the truth
 
 
-def _normalize(D: jnp.ndarray) -> jnp.ndarray:
-    """Divides each ``[n, n]`` matrix of ``[B, n, n]`` by its mean off-diagonal entry."""
-    n = D.shape[-1]
-    return D / (jnp.sum(D, axis=(-2, -1), keepdims=True) / (n * (n - 1)))
-
-
 def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> Batch:
     """Draws the seeds' data, splits folds, computes D and the Lipschitz constants."""
     gen = dict(cfg.generator, num_clients=cfg.num_clients, dim=cfg.dim)
@@ -178,7 +172,9 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
         rho_pop = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_pop, strict=True)])
         D_pop = cv.per_member(D_pop)
     if cfg.normalize_D:
-        D, D_true, D_pop = (None if a is None else _normalize(a) for a in (D, D_true, D_pop))
+        D, D_true, D_pop = (
+            None if a is None else protocol.mean_normalized(a) for a in (D, D_true, D_pop)
+        )
 
     L_f, L_max = protocol.smoothness_constants(cv.train, cfg.lam)
     labels = protocol.cluster_labels(D, cfg.cluster_grid)

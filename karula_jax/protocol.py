@@ -57,6 +57,7 @@ __all__ = [
     "cross_validate",
     "cv_datasets",
     "member_default_rates",
+    "mean_normalized",
     "member_dissimilarities",
     "default_rates",
     "method_suite",
@@ -149,6 +150,14 @@ def cv_datasets(
     join = lambda a, b: jnp.concatenate([a, b[:, None]], 1).reshape((-1,) + a.shape[2:])
     S = int(train.counts.shape[0])
     return CVData(jax.tree.map(join, fit, train), jax.tree.map(join, val, test), S, K)
+
+
+def mean_normalized(D):
+    """Each ``[n, n]`` matrix of ``D`` (``[..., n, n]``, zero diagonal) divided by its mean
+    off-diagonal entry, so that a grid of ``t`` means the same across data sets. Works on
+    numpy and JAX arrays alike (computed in ``D``'s own dtype)."""
+    n = D.shape[-1]
+    return D / (D.sum(axis=(-2, -1), keepdims=True) / (n * (n - 1)))
 
 
 def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tuple[Any, Any]:
