@@ -121,17 +121,11 @@ def _run(cfg, data, radii, eta, *, batch_size, tol, max_iter):
 
 
 def _mapping_sq(cfg, data, theta, a, radii, eta):
-    loss = ridge_loss(cfg.lam)
     x, y = jnp.asarray(data.x, jnp.float64), jnp.asarray(data.y, jnp.float64)
     mask = jnp.arange(x.shape[1])[None] < jnp.asarray(data.counts)[:, None]
-
-    def one(th):
-        grad = theory.weighted_gradient(loss, th, x, y, mask, jnp.asarray(a))
-        G, _ = theory.gradient_mapping(th, grad, jnp.asarray(radii), eta)
-        return jnp.sum(G * G)
-
-    flat = theta.reshape(-1, *theta.shape[-2:])
-    return np.asarray(jax.jit(jax.vmap(one))(flat)).reshape(theta.shape[:-2])
+    fn = jax.jit(theory.gradient_mapping_sq_norms, static_argnums=0)
+    args = (jnp.asarray(a), jnp.asarray(radii), eta)
+    return np.asarray(fn(ridge_loss(cfg.lam), jnp.asarray(theta), x, y, mask, *args)[0])
 
 
 def _sigma_sq(cfg, data, theta, a, batch_size) -> float:

@@ -27,6 +27,7 @@ from karula_jax import projection
 
 __all__ = [
     "gradient_mapping",
+    "gradient_mapping_sq_norms",
     "minibatch_sigma_sq",
     "paper_delta",
     "theorem_step",
@@ -75,6 +76,30 @@ def gradient_mapping(
     target = theta - eta * grad
     proj, info = projection.project(target, radii_sq, tol=tol, max_iter=max_iter, method=method)
     return (theta - proj) / eta, info
+
+
+def gradient_mapping_sq_norms(loss, theta, x, y, mask, alpha, radii_sq, eta):
+    """``||G_eta(theta)||^2`` for a batch of iterates, e.g. a run's trajectory.
+
+    Args:
+      loss, x, y, mask, alpha: as in :func:`weighted_gradient`.
+      theta: iterates ``[..., n, p]``; radii_sq: ``[n, n]``; eta: step ``> 0``.
+
+    Returns:
+      ``(sq, converged)``, both of shape ``[...]``: the squared norm of the gradient
+      mapping at each iterate and whether its projection met the tolerance of
+      :func:`gradient_mapping`.
+    """
+
+    def one(th):
+        G, info = gradient_mapping(
+            th, weighted_gradient(loss, th, x, y, mask, alpha), radii_sq, eta
+        )
+        return jnp.sum(G * G), info.converged
+
+    flat = theta.reshape(-1, *theta.shape[-2:])
+    sq, converged = jax.vmap(one)(flat)
+    return sq.reshape(theta.shape[:-2]), converged.reshape(theta.shape[:-2])
 
 
 def paper_delta(certificate, eta) -> jnp.ndarray:

@@ -91,27 +91,17 @@ def _iterates(data, radii_sq, eta, batch_size, *, seeds=SEEDS, rounds=ROUNDS):
     return jax.jit(jax.vmap(one))(keys)
 
 
-@jax.jit
-def _mapping_sq_norms(flat, x, y, mask, a, radii_sq, eta):
-    """``||G_eta(theta)||^2`` and the projection's convergence, vmapped over ``flat``."""
-
-    def one(th):
-        grad = theory.weighted_gradient(LOSS, th, x, y, mask, a)
-        G, info = theory.gradient_mapping(th, grad, radii_sq, eta)
-        return jnp.sum(G * G), info.converged
-
-    return jax.vmap(one)(flat)
+_mapping_sq_norms = jax.jit(theory.gradient_mapping_sq_norms, static_argnums=0)
 
 
 def _mapping_norms(data, theta, radii_sq, eta) -> np.ndarray:
     """``||G_eta(theta)||^2`` for every iterate, ``theta: [..., n, p]`` (float64)."""
     x, y = jnp.asarray(data.x, jnp.float64), jnp.asarray(data.y, jnp.float64)
     mask = jnp.arange(x.shape[1])[None, :] < jnp.asarray(data.counts)[:, None]
-    flat = jnp.asarray(theta).reshape(-1, *theta.shape[-2:])
     args = (jnp.asarray(alphas(data)), jnp.asarray(radii_sq), jnp.float64(eta))
-    sq, ok = _mapping_sq_norms(flat, x, y, mask, *args)
+    sq, ok = _mapping_sq_norms(LOSS, jnp.asarray(theta), x, y, mask, *args)
     assert bool(jnp.all(ok))
-    return np.asarray(sq).reshape(theta.shape[:-2])
+    return np.asarray(sq)
 
 
 def _minibatch_sigma_sq(data, theta, batch_size) -> float:
