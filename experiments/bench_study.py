@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from typing import NamedTuple
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import numpy as np
 from experiments.report import OUTPUT, markdown_table, publish
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
-from karula_jax import projection, protocol
+from karula_jax import protocol
 from karula_jax.data import ClientData, random_classification, synthetic_ridge
 from karula_jax.models import cross_entropy_loss, init_params, logistic_loss, mlp, ridge_loss
 from karula_jax.reporting import cli, run_header
@@ -205,7 +204,7 @@ def mlp_workload(cfg: StudyConfig, n: int, members: int) -> Workload:
 def _algorithms(cfg: StudyConfig, w: Workload):
     common = dict(clients_per_round=w.s, batch_size=w.batch)
 
-    def karula(D, t, rate):
+    def karula(D, t, rate, projection_method="auto"):
         return A.karula(
             w.loss,
             D,
@@ -213,6 +212,7 @@ def _algorithms(cfg: StudyConfig, w: Workload):
             learning_rate=rate,
             projection_tol=cfg.projection_tol,
             projection_max_iter=cfg.projection_max_iter,
+            projection_method=projection_method,
             **common,
         )
 
@@ -234,8 +234,8 @@ def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     # Karula's step: the workload's rates, or its default rule (no argument).
     k_args = (w.data, w.D, w.t) + (() if w.rate_karula is None else (w.rate_karula,))
 
-    def k_alg(D, t, *rate):
-        return karula(D, t, rate[0] if rate else None)
+    def k_alg(D, t, *rate, projection_method="auto"):
+        return karula(D, t, rate[0] if rate else None, projection_method)
 
     k_init = jax.jit(jax.vmap(lambda d, D, t, *r, key: k_alg(D, t, *r).init(w.params, d, key=key)))
     k_state = k_init(*k_args, key=keys)
@@ -251,9 +251,10 @@ def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     )
     fns = {"FedAvg": _compile(f_round, f_state, w.data, w.rate_fedavg)}
     fns["Karula"] = _compile(k_round, k_state, *k_args)
-    bare = lambda *a: k_round(*a)  # noqa: E731 - a new function: jit caches traces per function
-    with mock.patch.object(projection, "project", projection.no_projection):
-        fns["bare"] = _compile(bare, k_state, *k_args)
+    bare = lambda st, d, D, t, *r: jax.vmap(  # noqa: E731 - the round, projection skipped
+        lambda st, d, D, t, *r: k_alg(D, t, *r, projection_method="none").round(st, d)
+    )(st, d, D, t, *r)
+    fns["bare"] = _compile(bare, k_state, *k_args)
     big = w.n >= cfg.large
     warmup, rounds = (cfg.warmup_large, cfg.rounds_large) if big else (cfg.warmup, cfg.rounds)
     for _ in range(warmup):

@@ -107,24 +107,24 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "certificate_half_gap",
         "karula_jax/projection/certificate.py",
-        "return th, jnp.maximum(_primal(th, red) - g, 0.0)",
-        "return th, jnp.maximum(0.5 * (_primal(th, red) - g), 0.0)",
+        "return th, jnp.maximum(primal_value(th, red) - g, 0.0)",
+        "return th, jnp.maximum(0.5 * (primal_value(th, red) - g), 0.0)",
         PROJ_TESTS,
         "certificate: reports half the true primal-dual gap",
     ),
     Mutant(
         "certificate_half_gap_dykstra",
         "karula_jax/projection/dykstra.py",
-        "th, delta = _delta(th, g, red)\n        return th, lam, delta\n",
-        "th, delta = _delta(th, g, red)\n        return th, lam, 0.5 * delta\n",
+        "th, delta = restore_and_certify(th, g, red)\n        return th, lam, delta\n",
+        "th, delta = restore_and_certify(th, g, red)\n        return th, lam, 0.5 * delta\n",
         PROJ_TESTS,
         "certificate, Dykstra only: the solver reports half its gap",
     ),
     Mutant(
         "certificate_half_gap_laplacian",
         "karula_jax/projection/laplacian.py",
-        "    th, delta = _delta(ev.th, evaluate(lam, certify=True).g, red)\n",
-        "    th, delta = _delta(ev.th, evaluate(lam, certify=True).g, red)\n"
+        "    th, delta = restore_and_certify(ev.th, evaluate(lam, certify=True).g, red)\n",
+        "    th, delta = restore_and_certify(ev.th, evaluate(lam, certify=True).g, red)\n"
         "    delta = 0.5 * delta\n",
         PROJ_TESTS,
         "certificate, Laplacian dual only: the final report halves the gap",

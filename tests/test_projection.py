@@ -512,12 +512,54 @@ def test_large_n_auto_matches_dykstra(n, p, tol_d):
     assert 0 < np.count_nonzero(lam) < lam.size / 4  # most pairs inactive
 
 
-def test_no_projection_returns_v_and_the_warm_start():
-    """The ablation stand-in: ``v`` unchanged, zero report, the warm start passed through,
-    also under jit."""
+def test_method_none_returns_v_and_the_warm_start():
+    """The ablation: ``v`` unchanged (shared leaves too), zero report, the warm start passed
+    through, also under jit."""
     v = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones((3, 4))}
-    warm = proj.init_projection_state(v)
-    out, info = jax.jit(lambda v, w: proj.no_projection(v, jnp.ones((3, 3)), warm_start=w))(v, warm)
+    mask = {"a": True, "b": False}
+    warm = proj.init_projection_state(v, personalized=mask, method="none")
+    assert warm.pair_dual.shape == (0, 2)
+    out, info = jax.jit(
+        lambda v, w: proj.project(
+            v, jnp.ones((3, 3)), personalized=mask, method="none", warm_start=w
+        )
+    )(v, warm)
     chex.assert_trees_all_equal(out, v)
     chex.assert_trees_all_equal(info.state, warm)
     assert int(info.iterations) == 0 and float(info.delta) == 0.0 and bool(info.converged)
+
+
+def test_method_none_refuses_a_warm_start_of_other_clients():
+    v = jnp.ones((3, 2))
+    other = proj.init_projection_state(v[:2])
+    with pytest.raises(ValueError, match="warm_start"):
+        proj.project(v, jnp.ones((3, 3)), method="none", warm_start=other)
+
+
+def test_a_new_solver_is_one_function_and_one_registry_row(monkeypatch):
+    """The contract: a toy solver (the restoration of ``w`` at ``lam = 0``, certified by
+    ``g(0)``) registered by one row runs through ``project`` with a correct certificate."""
+    from karula_jax.projection import certificate, contract, solvers  # noqa: PLC0415
+
+    def shrink(red, warm, *, tol, max_iter, skip=False):
+        del max_iter, skip
+        lam = jnp.zeros_like(warm.lam)
+        th, gap = certificate.restore_and_certify(
+            red.w, certificate.dual_eval(lam, red, gram=False, certify=True).g, red
+        )
+        state = contract.ProjectionState(lam, warm.pair_dual)
+        return contract.SolverResult(th, state, gap, jnp.int32(1), gap <= tol * red.scale)
+
+    row = contract.Solver(shrink, pair_state=False, rotate=lambda n, p: False)
+    monkeypatch.setitem(solvers.SOLVERS, "shrink", row)
+    v, radii_sq = _instance(2, 6, 4, "groups")
+    with jax.enable_x64(True):
+        out, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method="shrink", tol=1e-3)
+        out = np.asarray(out)
+    assert int(info.iterations) == 1
+    assert _max_violation(out, radii_sq) <= 1e-9 * np.sqrt(np.nanmax(radii_sq))
+    _, ref_val = cvxpy_projection(v, radii_sq)
+    subopt = _objective(out, v) - ref_val
+    scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
+    assert float(info.delta) >= subopt - 1e-9 * scale  # the gap certifies
+    assert float(info.delta) > 1e-3 and not bool(info.converged)  # a shrink is not optimal

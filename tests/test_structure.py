@@ -20,21 +20,7 @@ PACKAGE = REPO / "karula_jax"
 
 # karula_jax/projection/ is being rewritten (issue 26 item 3); these uses predate it and
 # go with that rewrite. A new use anywhere, projection/ included, fails.
-PENDING = {
-    ("karula_jax/projection/api.py", "karula_jax.projection.dykstra._dykstra"),
-    ("karula_jax/projection/api.py", "karula_jax.projection.laplacian._laplacian"),
-    ("karula_jax/projection/api.py", "karula_jax.projection.reduction._reduce"),
-    ("karula_jax/projection/api.py", "karula_jax.projection.reduction._sq_dists_exact"),
-    ("karula_jax/projection/certificate.py", "karula_jax.projection.reduction._restore"),
-    ("karula_jax/projection/certificate.py", "karula_jax.projection.reduction._sq_dists_exact"),
-    ("karula_jax/projection/dykstra.py", "karula_jax.projection.certificate._delta"),
-    ("karula_jax/projection/dykstra.py", "karula_jax.projection.certificate._dual_eval"),
-    ("karula_jax/projection/dykstra.py", "karula_jax.projection.certificate._stop"),
-    ("karula_jax/projection/laplacian.py", "karula_jax.projection.certificate._delta"),
-    ("karula_jax/projection/laplacian.py", "karula_jax.projection.certificate._dual_eval"),
-    ("karula_jax/projection/laplacian.py", "karula_jax.projection.certificate._dual_mask"),
-    ("karula_jax/projection/laplacian.py", "karula_jax.projection.certificate._stop"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def _is_module(dotted: str, root: pathlib.Path = REPO) -> bool:

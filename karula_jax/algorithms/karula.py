@@ -197,7 +197,8 @@ def karula(
         proportional to ``N_i`` with mean 1).
       projection_method: solver of the projection: ``"auto"`` (Dykstra for a handful
         of clients, the Laplacian dual otherwise; see
-        :func:`karula_jax.projection.choose_method`), ``"dykstra"`` or ``"laplacian"``.
+        :func:`karula_jax.projection.choose_method`), ``"dykstra"``, ``"laplacian"``, or
+        ``"none"``: no projection (an ablation for timing; the iterates leave ``K``).
       projection_tol: its tolerance.
       projection_max_iter: its iteration cap.
 

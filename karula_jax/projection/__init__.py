@@ -51,8 +51,10 @@ the last projection, whose active pairs sit at their radius. The solvers rotate 
 span of the models (Householder QR) when ``p >= 2n`` (Laplacian) or ``p > n`` (Dykstra).
 Matrix products run at full float32 precision (not TF32, a GPU's default).
 
-Solvers: ``method="auto"`` (default) takes Dykstra when ``n <= 5`` and its state
-``n(n-1)/2 * p`` is at most ``2**20`` floats, else the Laplacian dual
+Solvers (one module each, one row in :data:`karula_jax.projection.solvers.SOLVERS`, the
+contract in :mod:`karula_jax.projection.contract`): ``method="auto"`` (default) takes
+Dykstra when ``n <= 5`` and its state ``n(n-1)/2 * p`` is at most ``2**20`` floats, else
+the Laplacian dual
 (:func:`choose_method`). ``method="dykstra"`` is Dykstra's algorithm cycling over the
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with
 a bye when ``n`` is odd; the pair kernel vmapped over the disjoint pairs of a matching;
@@ -76,7 +78,6 @@ from karula_jax.projection.api import (
     ProjectionState,
     choose_method,
     init_projection_state,
-    no_projection,
     project,
 )
 from karula_jax.projection.dykstra import pair_kernel
@@ -87,7 +88,6 @@ __all__ = [
     "ProjectionState",
     "choose_method",
     "init_projection_state",
-    "no_projection",
     "pair_kernel",
     "project",
 ]

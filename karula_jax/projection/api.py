@@ -14,9 +14,9 @@ from karula_jax._checks import (
     check_positive_int,
     is_concrete,
 )
-from karula_jax.projection.dykstra import _dykstra
-from karula_jax.projection.laplacian import _laplacian
-from karula_jax.projection.reduction import _reduce, _sq_dists_exact, client_mean
+from karula_jax.projection.contract import ProjectionState
+from karula_jax.projection.reduction import client_mean, reduce_problem, sq_dists_exact
+from karula_jax.projection.solvers import SOLVERS
 
 __all__ = [
     "METHODS",
@@ -24,11 +24,17 @@ __all__ = [
     "ProjectionState",
     "choose_method",
     "init_projection_state",
-    "no_projection",
     "project",
 ]
 
-METHODS = ("auto", "dykstra", "laplacian")
+# "auto" picks a solver (choose_method); "none" skips the projection (an ablation). The
+# registered solvers (karula_jax.projection.solvers.SOLVERS) are read at each call.
+METHODS = ("auto", "none", *SOLVERS)
+
+
+def _methods() -> tuple[str, ...]:
+    return ("auto", "none", *SOLVERS)
+
 
 # "auto" takes the pair-copy Dykstra only while its state (one vector per pair) is small.
 _DYKSTRA_MAX_N = 5
@@ -54,21 +60,6 @@ def choose_method(n: int, p: int) -> str:
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
-
-
-class ProjectionState(NamedTuple):
-    """Dual state of the projection, carried across calls for warm starts.
-
-    Attributes:
-      lam: multipliers of ``||theta_i - theta_j||^2 <= r_ij^2`` (per merged slot),
-        symmetric with zero diagonal.
-      pair_dual: Dykstra increments, one vector per pair ``i < j`` (row order of
-        ``np.triu_indices(n, 1)``) in the flattened personalized coordinates;
-        ``[0, p]`` for ``method="laplacian"``.
-    """
-
-    lam: jnp.ndarray  # [n, n] float
-    pair_dual: jnp.ndarray  # [n(n-1)/2, p] float (dykstra) or [0, p] (laplacian)
 
 
 class ProjectionInfo(NamedTuple):
@@ -109,7 +100,7 @@ def _violation(out, radii_sq):
     n = out.shape[0]
     r = jnp.sqrt(jnp.maximum(radii_sq.astype(out.dtype), 0.0))
     fin = jnp.isfinite(r) & ~jnp.eye(n, dtype=bool)
-    viol = jnp.where(fin, jnp.sqrt(_sq_dists_exact(out)) - jnp.where(fin, r, 0.0), 0.0)
+    viol = jnp.where(fin, jnp.sqrt(sq_dists_exact(out)) - jnp.where(fin, r, 0.0), 0.0)
     viol = jnp.maximum(jnp.max(viol), 0.0)
     return viol, _relative(viol, radii_sq)
 
@@ -232,21 +223,17 @@ def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
 def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     n, p = x.shape
     dtype = x.dtype
-    # The Dykstra state is O(n^2 k): rotate onto the span when p > n. The dual solver
-    # multiplies [n, n] by [n, k] in every evaluation: rotating (O(n^2 p) once) pays
-    # from p >= 2n on.
-    red = _reduce(x, radii_sq, rotate=method == "dykstra" or p >= 2 * n)
-    if method == "dykstra":
-        q0 = state.pair_dual.astype(dtype)
-        if red.basis is not None:
-            q0 = q0 @ red.basis
-        th, lam, q, delta, it, done = _dykstra(red, q0, tol=tol, max_iter=max_iter, skip=skip)
-        pair_dual = q if red.basis is None else q @ red.basis.T
-    else:
-        th, lam, delta, it, done = _laplacian(
-            red, state.lam.astype(dtype), tol=tol, max_iter=max_iter, skip=skip
-        )
-        pair_dual = jnp.zeros((0, p), dtype)
+    solver = SOLVERS[method]
+    red = reduce_problem(x, radii_sq, rotate=solver.rotate(n, p))
+    pair_dual = state.pair_dual.astype(dtype)
+    if red.basis is not None:
+        pair_dual = pair_dual @ red.basis
+    warm = ProjectionState(lam=state.lam.astype(dtype), pair_dual=pair_dual)
+    res = solver.solve(red, warm, tol=tol, max_iter=max_iter, skip=skip)
+    th, lam, delta, it, done = res.theta, res.state.lam, res.gap, res.iterations, res.converged
+    pair_dual = res.state.pair_dual
+    if red.basis is not None:
+        pair_dual = pair_dual @ red.basis.T
     # Add the (small) move to v itself, so that clients that do not move come back
     # bit for bit; merged clients take their component's mean plus the move.
     move = th - red.w
@@ -364,8 +351,8 @@ def _check_radii(radii_sq, n: int) -> None:
 
 
 def _check_options(method, tol, max_iter) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method not in _methods():
+        raise ValueError(f"method: expected one of {_methods()}, got {method!r}")
     check_positive("tol", tol)
     check_positive_int("max_iter", max_iter)
 
@@ -377,12 +364,12 @@ def init_projection_state(v, radii_sq=None, *, personalized=None, method="auto")
       v: pytree of client-stacked leaves ``[n, ...]`` (only shapes are used).
       radii_sq: unused except for a shape check (may be None).
       personalized: optional pytree of bools like ``v``.
-      method: ``"auto"`` (see :func:`choose_method`), ``"dykstra"`` or ``"laplacian"``.
+      method: one of :data:`METHODS` (``"auto"``: see :func:`choose_method`).
 
     Returns:
       :class:`ProjectionState` with ``lam`` ``[n, n]`` and ``pair_dual``
-      ``[n(n-1)/2, p]`` (dykstra) or ``[0, p]`` (laplacian), ``p`` the flattened size
-      of the personalized leaves.
+      ``[n(n-1)/2, p]`` for a solver with per-pair state (``"dykstra"``), else ``[0, p]``;
+      ``p`` the flattened size of the personalized leaves.
     """
     _check_options(method, 1.0, 1)
     leaves, _, mask, n = _split(v, personalized)
@@ -392,24 +379,9 @@ def init_projection_state(v, radii_sq=None, *, personalized=None, method="auto")
     dtype = _flat_dtype(leaves, mask)
     if method == "auto":
         method = choose_method(n, p)
-    m = n * (n - 1) // 2 if method == "dykstra" else 0
+    pair_state = method in SOLVERS and SOLVERS[method].pair_state
+    m = n * (n - 1) // 2 if pair_state else 0
     return ProjectionState(lam=jnp.zeros((n, n), dtype), pair_dual=jnp.zeros((m, p), dtype))
-
-
-def no_projection(v, radii_sq=None, *, warm_start=None, **options):
-    """``v`` itself, with :func:`project`'s signature and a report of zeros.
-
-    For ablations: patched in for :func:`project` (e.g. ``unittest.mock.patch.object(
-    karula_jax.projection, "project", no_projection)`` while a round is traced) it gives the
-    same round without its projection, to time the projection's share.
-
-    Returns:
-      ``(v, info)``: ``info`` with zero iterations, violation and gap, ``converged`` True
-      and ``state`` the given ``warm_start``.
-    """
-    del radii_sq, options
-    zero = jnp.zeros((), jnp.float32)
-    return v, ProjectionInfo(jnp.int32(0), zero, zero, zero, zero, jnp.array(True), warm_start)
 
 
 def project(
@@ -449,10 +421,13 @@ def project(
         for no constraint; the diagonal is ignored. Zero radii merge clients exactly.
       personalized: optional pytree of Python bools with the structure of ``v``
         (True: constrained leaf; False: shared leaf, set to the mean). None: all True.
-      method: ``"dykstra"`` (cyclic Dykstra over all pairs; state ``O(n^2 p)``),
-        ``"laplacian"`` (dual ascent on the ``n x n`` multipliers; for many clients) or
-        ``"auto"``: the first for small problems, the second otherwise
-        (:func:`choose_method`, from the static ``n`` and ``p``).
+      method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
+        (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or ``"laplacian"`` (dual
+        ascent on the ``n x n`` multipliers; for many clients); ``"auto"``: the first for
+        small problems, the second otherwise (:func:`choose_method`, from the static ``n``
+        and ``p``); ``"none"``: no projection at all (for ablations and timing: ``v`` is
+        returned as is, shared leaves included, with a report of zeros and ``warm_start``,
+        of any solver, passed through; the result is not feasible in general).
       tol: stop when ``delta <= tol * S``, ``S = 1/2 sum_i ||v_i - mean(v)||^2`` over
         the personalized leaves (the objective of collapsing to the mean).
       max_iter: iteration cap (the loop checks the certificate every 10 iterations).
@@ -484,6 +459,13 @@ def project(
     if method == "auto":
         method = choose_method(n, p)
     zero_state = init_projection_state(v, personalized=personalized, method=method)
+    if method == "none":  # any state passes through (e.g. a solver's, for a timing twin)
+        ok = warm_start is None or (
+            isinstance(warm_start, ProjectionState) and jnp.shape(warm_start.lam) == (n, n)
+        )
+        if not ok:
+            raise ValueError(f"warm_start: expected None or a ProjectionState with lam [{n}, {n}]")
+        return v, _exact_info(dtype, zero_state if warm_start is None else warm_start)
     if warm_start is None:
         state = zero_state
     else:

@@ -7,19 +7,19 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from karula_jax import _linalg
-from karula_jax.projection.reduction import _restore, _sq_dists_exact
+from karula_jax.projection.reduction import restore, sq_dists_exact
 
 
-def _primal(th, red):
+def primal_value(th, red):
     return 0.5 * jnp.sum(red.mass[:, None] * (th - red.w) ** 2)
 
 
-def _dual_mask(red):
+def dual_mask(red):
     n = red.radius.shape[0]
     return jnp.isfinite(red.radius) & ~jnp.eye(n, dtype=bool)
 
 
-class _DualEval(NamedTuple):
+class DualEval(NamedTuple):
     th: jnp.ndarray  # [n, k] theta(lam)
     g: jnp.ndarray  # [] g(lam) (certified only when built with certify=True)
     grad: jnp.ndarray  # [n, n] dg/dlam, zero off the constrained pairs
@@ -27,14 +27,16 @@ class _DualEval(NamedTuple):
     gram: jnp.ndarray  # [n, n] theta theta^T
 
 
-def _dual_eval(lam, red, *, gram, certify=False):
+def dual_eval(lam, red, *, gram, certify=False):
     """theta(lam), g(lam), its gradient and the inverse of M + L_lam.
 
     An explicit inverse (LU) followed by matrix products: on the CPU this is several
     times faster than a Cholesky factorization and triangular solves with many
-    right-hand sides, and its rounding is covered by the residual term below.
+    right-hand sides, and its rounding is covered by the residual term below. ``gram``:
+    squared distances from the Gram matrix (one product; rounding up to
+    ``eps (|theta_i|^2 + |theta_j|^2)``) instead of explicit differences (``O(n^2 k)``).
     """
-    mask = _dual_mask(red)
+    mask = dual_mask(red)
     a = jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam
     a_inv = _linalg.inv(a)
     a_inv = 0.5 * (a_inv + a_inv.T)
@@ -45,23 +47,23 @@ def _dual_eval(lam, red, *, gram, certify=False):
         sq = jnp.diag(gm)
         d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
     else:
-        d2 = _sq_dists_exact(th)
+        d2 = sq_dists_exact(th)
     slack = jnp.where(mask, d2 - jnp.where(mask, red.radius, 0.0) ** 2, 0.0)
-    g = _primal(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
+    g = primal_value(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
     if certify:
         # theta is only an approximate minimizer of the Lagrangian; since M + L >= I
         # the Lagrangian exceeds its minimum by at most 1/2 ||residual||^2.
         res = rhs - a @ th
         g = g - 0.5 * jnp.sum(res * res)
-    return _DualEval(th, g, 0.5 * slack, a_inv, gm)
+    return DualEval(th, g, 0.5 * slack, a_inv, gm)
 
 
-def _stop(delta, red, tol):
+def should_stop(delta, red, tol):
     """Loop exit: certified, or a non-finite gap (NaN input), which no iteration mends."""
     return (delta <= tol * red.scale) | ~jnp.isfinite(delta)
 
 
-def _delta(th, g, red, *, gram=False):
+def restore_and_certify(th, g, red, *, gram=False):
     """(restored theta, certified suboptimality) for a primal iterate and a dual bound."""
-    th = _restore(th, red.radius, gram=gram)
-    return th, jnp.maximum(_primal(th, red) - g, 0.0)
+    th = restore(th, red.radius, gram=gram)
+    return th, jnp.maximum(primal_value(th, red) - g, 0.0)

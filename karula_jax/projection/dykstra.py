@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax.projection.certificate import _delta, _dual_eval, _stop
+from karula_jax.projection.certificate import dual_eval, restore_and_certify, should_stop
+from karula_jax.projection.contract import ProjectionState, SolverResult
 
-__all__ = ["pair_kernel"]
+__all__ = ["pair_kernel", "solve"]
 
 _CHECK_EVERY = 10  # Dykstra sweeps between two certificates
 
@@ -63,8 +64,9 @@ def _round_robin(n: int):
     return tuple(np.asarray(z) for z in (a, b, idx, ok))
 
 
-def _dykstra(red, q0, *, tol, max_iter, skip=False):
-    """Cyclic Dykstra on the merged problem; q0: [m, k] pair increments.
+def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
+    """Cyclic Dykstra on the reduced problem; ``warm.pair_dual``: ``[m, k]`` pair increments
+    (``warm.lam`` is not used: the multipliers are read off the increments).
 
     Pair ``(i, j)`` keeps one increment vector ``q_ij``; the primal point is always
     ``theta_i = w_i - sum_j m_j Q_ij`` (``Q`` antisymmetric), the exact primal-dual
@@ -74,6 +76,7 @@ def _dykstra(red, q0, *, tol, max_iter, skip=False):
     them.
     """
     n = red.w.shape[0]
+    q0 = warm.pair_dual
     pi, pj = np.triu_indices(n, 1)
     rp = red.radius[pi, pj]
     mi, mj = red.mass[pi], red.mass[pj]
@@ -127,8 +130,8 @@ def _dykstra(red, q0, *, tol, max_iter, skip=False):
     def check(q):
         th = theta_of(q)
         lam = lam_of(q, th)
-        g = _dual_eval(lam, red, gram=False, certify=True).g
-        th, delta = _delta(th, g, red)
+        g = dual_eval(lam, red, gram=False, certify=True).g
+        th, delta = restore_and_certify(th, g, red)
         return th, lam, delta
 
     def cond(c):
@@ -140,9 +143,10 @@ def _dykstra(red, q0, *, tol, max_iter, skip=False):
         k = jnp.minimum(_CHECK_EVERY, max_iter - it)
         q = run(q, k)
         th, lam, delta = check(q)
-        return q, th, lam, delta, it + k, _stop(delta, red, tol)
+        return q, th, lam, delta, it + k, should_stop(delta, red, tol)
 
     th, lam, delta = check(q0)
-    init = (q0, th, lam, delta, jnp.int32(0), _stop(delta, red, tol) | skip)
+    init = (q0, th, lam, delta, jnp.int32(0), should_stop(delta, red, tol) | skip)
     q, th, lam, delta, it, _ = jax.lax.while_loop(cond, body, init)
-    return th, lam, q, delta, it, delta <= tol * red.scale
+    state = ProjectionState(lam=lam, pair_dual=q)
+    return SolverResult(th, state, delta, it, delta <= tol * red.scale)

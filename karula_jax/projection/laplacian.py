@@ -7,7 +7,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from karula_jax.projection.certificate import _delta, _dual_eval, _dual_mask, _stop
+from karula_jax.projection.certificate import (
+    dual_eval,
+    dual_mask,
+    restore_and_certify,
+    should_stop,
+)
+from karula_jax.projection.contract import ProjectionState, SolverResult
+
+__all__ = ["solve"]
 
 # Conjugate-gradient steps per Newton step; fewer for many clients, where one
 # Hessian-vector product costs O(n^3).
@@ -18,7 +26,7 @@ _CG_MAX_ITER_LARGE = 5
 _GRAM_ABOVE = 96
 
 
-def _laplacian(red, lam0, *, tol, max_iter, skip=False):
+def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
     r"""Projected Newton (two-metric, Newton-CG) ascent on the n x n multipliers.
 
     The dual ``g(lam)`` is concave with gradient ``(||theta_i - theta_j||^2 - R_ij^2)/2``
@@ -28,16 +36,18 @@ def _laplacian(red, lam0, *, tol, max_iter, skip=False):
     ``O(n^2 k)``, so no pair-by-pair or per-pair-vector storage is needed. Pairs at
     the bound that the diagonal Newton step would push below zero take that scaled
     gradient step (to 0); the others take a Newton step solved by preconditioned CG;
-    an Armijo search along the projected path keeps the ascent monotone.
+    an Armijo search along the projected path keeps the ascent monotone. ``warm.lam``
+    starts it (symmetrized, clipped at 0); no per-pair state (``pair_dual`` ``[0, k]``).
     """
     n = red.w.shape[0]
+    lam0 = warm.lam
     gram = n > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
-    mask = _dual_mask(red)
+    mask = dual_mask(red)
     tiny = jnp.finfo(red.w.dtype).tiny
     eps = jnp.finfo(red.w.dtype).eps
     lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
-    evaluate = functools.partial(_dual_eval, red=red, gram=gram)
+    evaluate = functools.partial(dual_eval, red=red, gram=gram)
     pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
 
     def kkt(lam, ev):
@@ -110,16 +120,17 @@ def _laplacian(red, lam0, *, tol, max_iter, skip=False):
         )
         lam = jnp.where(ok, new, lam)
         ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
-        _, delta = _delta(ev.th, ev.g, red, gram=gram)
+        _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
         # A failed line search means float precision is exhausted: stop there.
-        return lam, ev, delta, it + 1, _stop(delta, red, tol) | ~ok, ok
+        return lam, ev, delta, it + 1, should_stop(delta, red, tol) | ~ok, ok
 
     ev = evaluate(lam0)
-    _, delta = _delta(ev.th, ev.g, red, gram=gram)
-    init = (lam0, ev, delta, jnp.int32(0), _stop(delta, red, tol) | skip, jnp.array(True))
+    _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
+    init = (lam0, ev, delta, jnp.int32(0), should_stop(delta, red, tol) | skip, jnp.array(True))
     lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
-    th, delta = _delta(ev.th, evaluate(lam, certify=True).g, red)
-    return th, lam, delta, it, delta <= tol * red.scale
+    th, delta = restore_and_certify(ev.th, evaluate(lam, certify=True).g, red)
+    state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
+    return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
 
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):

@@ -22,7 +22,7 @@ def client_mean(x):
     return jnp.reshape(jnp.full((n,), 1.0 / n, flat.dtype) @ flat, x.shape[1:])
 
 
-def _sq_dists_exact(th):
+def sq_dists_exact(th):
     """Squared distances between rows from explicit differences. [n, r] -> [n, n]."""
     row = lambda t: jnp.sum((th - t) ** 2, axis=-1)
     n = th.shape[0]
@@ -31,7 +31,7 @@ def _sq_dists_exact(th):
     return jax.lax.map(row, th, batch_size=max(1, (1 << 24) // (n * th.shape[1])))
 
 
-def _sq_dists_gram(th):
+def sq_dists_gram(th):
     """Squared distances between rows through the Gram matrix (fast, less exact)."""
     sq = jnp.sum(th * th, axis=-1)
     return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (th @ th.T), 0.0)
@@ -55,7 +55,7 @@ def _components(zero):
     return labels
 
 
-class _Reduced(NamedTuple):
+class Reduced(NamedTuple):
     labels: jnp.ndarray  # [n] int32, slot of each client
     mass: jnp.ndarray  # [n] float, component sizes (1 for empty slots)
     w: jnp.ndarray  # [n, k] centred (and rotated) slot values, 0 for empty slots
@@ -78,7 +78,7 @@ def _span_basis(a):
     return _linalg.qr_q(a.T)
 
 
-def _reduce(x, radii_sq, *, rotate):
+def reduce_problem(x, radii_sq, *, rotate):
     n, p = x.shape
     dtype = x.dtype
     eye = jnp.eye(n, dtype=bool)
@@ -100,10 +100,10 @@ def _reduce(x, radii_sq, *, rotate):
     else:
         basis, w = None, wbar
     scale = 0.5 * jnp.sum(xc * xc)
-    return _Reduced(labels, mass, w, radius, mu, basis, scale, count, wbar)
+    return Reduced(labels, mass, w, radius, mu, basis, scale, count, wbar)
 
 
-def _restore(th, radius, *, gram=False):
+def restore(th, radius, *, gram=False):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds.
 
     The margin (4 eps of each radius) covers this function's own rounding; the caller's
@@ -112,7 +112,7 @@ def _restore(th, radius, *, gram=False):
     shrink (that would cost float32 its certificate at the default tolerance).
     """
     eps = jnp.finfo(th.dtype).eps
-    d = jnp.sqrt(_sq_dists_gram(th) if gram else _sq_dists_exact(th))
+    d = jnp.sqrt(sq_dists_gram(th) if gram else sq_dists_exact(th))
     ok = jnp.isfinite(radius) & (d > 0)
     ratio = jnp.where(ok, radius * (1.0 - 4.0 * eps) / jnp.where(ok, d, 1.0), jnp.inf)
     beta = jnp.minimum(1.0, jnp.min(ratio))

@@ -1,0 +1,16 @@
+"""The registry of projection solvers: one row each (contract: :mod:`.contract`)."""
+
+from __future__ import annotations
+
+from karula_jax.projection import dykstra, laplacian
+from karula_jax.projection.contract import Solver
+
+__all__ = ["SOLVERS"]
+
+SOLVERS: dict[str, Solver] = {
+    # Its state is O(n^2 k): rotate onto the span whenever that shrinks k.
+    "dykstra": Solver(dykstra.solve, pair_state=True, rotate=lambda n, p: p > n),
+    # It multiplies [n, n] by [n, k] in every evaluation: rotating (O(n^2 p) once) pays
+    # from p >= 2n on.
+    "laplacian": Solver(laplacian.solve, pair_state=False, rotate=lambda n, p: p >= 2 * n),
+}
