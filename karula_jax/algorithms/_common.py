@@ -47,7 +47,6 @@ __all__ = [
     "check_labels",
     "client_keys",
     "client_mean",
-    "check_mask",
     "check_nonnegative",
     "check_params",
     "check_positive",
@@ -66,7 +65,6 @@ __all__ = [
     "sample_rows",
     "scale_rows",
     "scatter",
-    "shared_leaves",
     "stack_clients",
     "tree_sq_dist",
     "weighted_mean",
@@ -199,15 +197,6 @@ def check_labels(data: ClientData, num_classes: int) -> None:
         )
 
 
-def check_mask(name: str, mask, params) -> None:
-    """ValueError unless the boolean pytree ``mask`` has the structure of ``params``."""
-    if mask is None:
-        return
-    want, got = jax.tree.structure(params), jax.tree.structure(mask)
-    if want != got:
-        raise ValueError(f"{name} must have the tree structure of params {want}, got {got}")
-
-
 def check_state_matches(state, data: ClientData) -> None:
     """ValueError when ``state`` was built for another number of clients than ``data``."""
     if not isinstance(data, ClientData):
@@ -299,14 +288,6 @@ def stack_clients(params: Any, n: int, *, shared: Any = None) -> Any:
     return jax.tree.map(
         lambda flag, a: jnp.asarray(a)[None] if flag else broadcast(a, n), shared, params
     )
-
-
-def shared_leaves(params: Any, personalized: Any) -> Any:
-    """``shared`` for :func:`stack_clients` of a method whose non-personalized leaves are
-    one global model: True where ``personalized`` is False (everywhere when it is None)."""
-    if personalized is None:
-        return jax.tree.map(lambda _: True, params)
-    return jax.tree.map(lambda flag: not bool(flag), personalized)
 
 
 def start_state(

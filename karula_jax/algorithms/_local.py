@@ -57,12 +57,23 @@ def local_train(loss, params, data: ClientData, idx, key, steps, learning_rate, 
     return jax.vmap(one)(gather(params, idx), data.x[idx], data.y[idx], data.counts[idx], keys)
 
 
-def aggregate(params, idx, rows, avg, personalized):
-    """Shared leaves: ``avg``, stored once (``[1, ...]``); personalized leaves: the
-    participants' rows."""
-    if personalized is None:
+def aggregate(params, idx, rows, avg, flags):
+    """The server's write-back after local training.
+
+    Args:
+      params: the state's models, leaves ``[n, ...]`` (per client) or ``[1, ...]`` (shared).
+      idx: participants ``[s]``.
+      rows: their trained models, leaves ``[s, ...]``.
+      avg: the average of ``rows`` (no client axis).
+      flags: pytree of bools like ``avg``, True on the per-client leaves
+        (:func:`karula_jax.algorithms._personalized.personalized_flags`).
+
+    Returns:
+      Shared leaves: ``avg``, stored once (``[1, ...]``); per-client leaves: ``params``
+      with the participants' rows replaced by ``rows``.
+    """
+    if not any(jax.tree.leaves(flags)):
         return jax.tree.map(lambda a: a[None], avg)
-    flags = jax.tree.map(bool, personalized)
 
     def leaf(flag, p, r, a):
         return p.at[idx].set(r) if flag else a[None].astype(p.dtype)

@@ -15,6 +15,11 @@ import jax.numpy as jnp
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._local import aggregate, local_train
+from karula_jax.algorithms._personalized import (
+    check_personalized,
+    personalized_flags,
+    shared_leaves,
+)
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
 from karula_jax.data.clients import ClientData
@@ -131,7 +136,7 @@ def fedsgd(
         C.check_params(loss, params, data)
         n = data.num_clients
         C.check_clients_per_round(s, n)
-        shared = C.shared_leaves(params, None)  # one global model, stored once
+        shared = shared_leaves(False, params)  # one global model, stored once
         if not memory:
             return C.start_state(params, n, C.run_key(key), shared=shared)
         key_init, key_run = C.init_and_run_keys(key)
@@ -168,7 +173,7 @@ def fedavg(
     batch_size: int,
     local_steps: int = 5,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = False,
 ) -> Algorithm:
     """FedAvg: ``E`` local SGD steps per participant, then a weighted model average.
 
@@ -187,8 +192,10 @@ def fedavg(
       batch_size: ``B`` (static).
       local_steps: ``E`` (static), default 5.
       weights: optional ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params``: True leaves are kept by
-        each client and never averaged (FedPer style). ``None``: nothing personalized.
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`): True leaves are kept by each client
+        and never averaged (FedPer style). Default False: one global model, FedAvg as
+        published.
 
     Returns:
       An :class:`Algorithm`; ``state.params`` holds the global leaves once (``[1, ...]``)
@@ -200,12 +207,12 @@ def fedavg(
     B = C.check_positive_int("batch_size", batch_size)
     E = C.check_positive_int("local_steps", local_steps)
     C.check_weights(weights)
+    check_personalized(personalized)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        shared = C.shared_leaves(params, personalized)
+        shared = shared_leaves(personalized, params)
         return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
 
     def round_fn(state: FedState, data: ClientData):
@@ -213,7 +220,7 @@ def fedavg(
         rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)
-        params = aggregate(state.params, idx, rows, avg, personalized)
+        params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 

@@ -16,6 +16,7 @@ import numpy as np
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._graph import check_dissimilarity, weights_numpy
 from karula_jax.algorithms._local import local_train
+from karula_jax.algorithms._personalized import check_personalized, personalized_flags
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 
 __all__ = ["CLUSTER_METHODS", "cluster_clients", "clustered_fedavg"]
@@ -212,7 +213,7 @@ def clustered_fedavg(
     batch_size: int,
     local_steps: int = 5,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = False,
 ) -> Algorithm:
     """FedAvg run separately inside fixed groups of clients (e.g. from :func:`cluster_clients`).
 
@@ -237,8 +238,9 @@ def clustered_fedavg(
       batch_size: ``B`` (static).
       local_steps: ``E`` (static), default 5.
       weights: optional ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params``: True leaves are kept by
-        each client and never averaged (FedPer style). ``None``: nothing personalized.
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`): True leaves are kept by each client
+        and never averaged (FedPer style). Default False: one model per group.
 
     Returns:
       An :class:`Algorithm`; ``state.params`` holds each client's model (its group's
@@ -256,6 +258,7 @@ def clustered_fedavg(
     B = C.check_positive_int("batch_size", batch_size)
     E = C.check_positive_int("local_steps", local_steps)
     C.check_weights(weights)
+    check_personalized(personalized)
     labels = jnp.asarray(labels, jnp.int32)
 
     def _check_data(data) -> None:
@@ -264,7 +267,7 @@ def clustered_fedavg(
 
     def init(params, data, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
+        personalized_flags(personalized, params)  # its structure
         _check_data(data)
         return C.start_state(params, data.num_clients, C.run_key(key))
 
@@ -277,11 +280,7 @@ def clustered_fedavg(
         Wt = jnp.where(same, a_s[None, :], 0.0)  # [n, s]
         total = jnp.sum(Wt, axis=1)  # [n]
         has = total > 0
-        flags = (
-            jax.tree.map(lambda _: False, state.params)
-            if personalized is None
-            else jax.tree.map(bool, personalized)
-        )
+        flags = personalized_flags(personalized, state.params)
 
         def leaf(flag, p, r):
             if flag:  # personalized: participants keep their own trained rows

@@ -10,6 +10,7 @@ from jax import lax
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._local import local_sgd
+from karula_jax.algorithms._personalized import check_personalized, personalized_flags
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -35,7 +36,7 @@ def ditto(
     personal_learning_rate=None,
     personal_steps: int | None = None,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = True,
 ) -> Algorithm:
     """Ditto: a global model trained by FedAvg and one personal model per client.
 
@@ -85,8 +86,10 @@ def ditto(
       personal_steps: number of personal steps per round (static). ``None``:
         ``local_steps``.
       weights: optional ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params``: the leaves that form the
-        personal model. ``None``: every leaf (Ditto as published).
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`): the leaves that form the personal
+        model. Default True: every leaf (Ditto as published); False makes every client's
+        model the global one.
 
     Returns:
       An :class:`Algorithm`; ``state.params`` are the clients' models ``[n, ...]``
@@ -104,11 +107,10 @@ def ditto(
     C.check_nonnegative("personal_learning_rate", plr)
     P = E if personal_steps is None else C.check_positive_int("personal_steps", personal_steps)
     C.check_weights(weights)
+    check_personalized(personalized)
 
     def flags_like(params):
-        if personalized is None:
-            return jax.tree.map(lambda _: True, params)
-        return jax.tree.map(bool, personalized)
+        return personalized_flags(personalized, params)
 
     def combine(flags, v, w):
         """Personal leaves from ``v``, the others from ``w`` (same shapes)."""
@@ -137,7 +139,7 @@ def ditto(
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
+        personalized_flags(personalized, params)  # its structure
         n = data.num_clients
         C.check_clients_per_round(s, n)
         w = jax.tree.map(jnp.asarray, params)

@@ -10,6 +10,11 @@ from jax import lax
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._local import aggregate
+from karula_jax.algorithms._personalized import (
+    check_personalized,
+    personalized_flags,
+    shared_leaves,
+)
 from karula_jax.algorithms.base import Algorithm, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -25,7 +30,7 @@ def fedprox(
     batch_size: int,
     local_steps: int = 5,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = False,
 ) -> Algorithm:
     """FedProx: :func:`fedavg` whose local steps also pull towards the received model.
 
@@ -54,9 +59,10 @@ def fedprox(
       batch_size: ``B`` (static).
       local_steps: ``E`` (static), default 5.
       weights: optional ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params``: True leaves are kept by
-        each client and never averaged (as in :func:`fedavg`; the proximal term pulls
-        them towards the client's own previous value).
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`): True leaves are kept by each client
+        and never averaged (as in :func:`fedavg`; the proximal term pulls them towards the
+        client's own previous value). Default False: one global model.
 
     Returns:
       An :class:`Algorithm`; ``state.params`` holds the global leaves once (``[1, ...]``)
@@ -69,6 +75,7 @@ def fedprox(
     B = C.check_positive_int("batch_size", batch_size)
     E = C.check_positive_int("local_steps", local_steps)
     C.check_weights(weights)
+    check_personalized(personalized)
 
     def client(w0, x, y, count, key):
         def step(p, e):
@@ -82,9 +89,8 @@ def fedprox(
 
     def init(params, data: ClientData, *, key):
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
         C.check_clients_per_round(s, data.num_clients)
-        shared = C.shared_leaves(params, personalized)
+        shared = shared_leaves(personalized, params)
         return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
 
     def round_fn(state, data: ClientData):
@@ -95,7 +101,7 @@ def fedprox(
         )
         a_s = alpha[idx]
         avg = C.weighted_mean(rows, a_s)
-        params = aggregate(state.params, idx, rows, avg, personalized)
+        params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax._checks import check_bool_leaves
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._graph import check_dissimilarity
+from karula_jax.algorithms._personalized import check_personalized, shared_leaves
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.step_size import (
     check_smoothness,
@@ -68,7 +68,7 @@ def karula(
     clients_per_round: int,
     batch_size: int,
     smoothness=None,
-    personalized: Any = None,
+    personalized: Any = True,
     weights=None,
     projection_method: str = "auto",
     projection_tol: float = 1e-6,
@@ -189,10 +189,11 @@ def karula(
         scalar or array ``[n]`` (may be traced), a callable ``smoothness(data) -> [n]``
         (e.g. ``functools.partial(ridge_smoothness, lam=lam)``), or ``None`` (see
         above).
-      personalized: optional pytree of bools with the structure of ``params``; True
-        leaves are personalized, False leaves are shared: one consensus model, stored
-        once in ``state.params`` (``[1, ...]``) and stepped along the client mean of
-        ``nu`` (their projection). ``None``: every leaf personalized.
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`); True leaves are personalized
+        (coupled by the constraints), False leaves are shared: one consensus model,
+        stored once in ``state.params`` (``[1, ...]``) and stepped along the client mean
+        of ``nu`` (their projection). Default True: every leaf personalized.
       weights: optional client weights ``alpha`` of shape ``[n]`` (default
         proportional to ``N_i`` with mean 1).
       projection_method: solver of the projection: ``"auto"`` (Dykstra for a handful
@@ -246,16 +247,19 @@ def karula(
 
     # Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]),
     # stepped along the client mean of nu, which is their projection (the mean of v).
-    if personalized is not None:
-        check_bool_leaves("personalized", personalized)
-    shared = None if personalized is None else jax.tree.map(lambda f: not f, personalized)
+    check_personalized(personalized)
+
+    def _shared(tree):
+        """None when every leaf of ``tree`` (shaped like params) is personalized, else
+        True on its shared leaves."""
+        return shared_leaves(personalized, tree)
 
     def _radii():
         return radii_squared(t, D)
 
     def _own(tree):
         """The personalized leaves of ``tree``, as a list (all of them if none shared)."""
-        leaves = jax.tree.leaves(tree)
+        leaves, shared = jax.tree.leaves(tree), _shared(tree)
         if shared is None:
             return leaves
         return [a for a, f in zip(leaves, jax.tree.leaves(shared), strict=True) if not f]
@@ -263,6 +267,7 @@ def karula(
     def _with_own(tree, own):
         """``tree`` with its personalized leaves replaced by the list ``own``."""
         leaves, treedef = jax.tree.flatten(tree)
+        shared = _shared(tree)
         flags = [False] * len(leaves) if shared is None else jax.tree.leaves(shared)
         own = iter(own)
         return treedef.unflatten(
@@ -298,7 +303,7 @@ def karula(
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
+        shared = _shared(params)  # checks its structure
         _check_data(data)
         key_init, key_run = C.init_and_run_keys(key)
         theta = C.stack_clients(params, n, shared=shared)
@@ -337,7 +342,15 @@ def karula(
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         a_s = alpha[idx]
         values, G, nu, memory = saga_round(
-            loss, state.params, state.memory, data, idx, key_batch, a_s, B, shared=shared
+            loss,
+            state.params,
+            state.memory,
+            data,
+            idx,
+            key_batch,
+            a_s,
+            B,
+            shared=_shared(state.params),
         )
         eta = state.extra.learning_rate
         v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)

@@ -29,6 +29,7 @@ import numpy as np
 from karula_jax import _linalg
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._graph import check_dissimilarity, graph_laplacian, weights_numpy
+from karula_jax.algorithms._personalized import check_personalized, personalized_flags
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
@@ -141,7 +142,7 @@ def laplacian_penalty(
     clients_per_round: int,
     batch_size: int,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = True,
     graph_weights: Any = None,
 ) -> Algorithm:
     """Laplacian-penalized personalization on the graph of ``D`` (FedU style, proximal).
@@ -181,8 +182,8 @@ def laplacian_penalty(
       clients_per_round: ``s``, static, ``1 <= s <= n``.
       batch_size: ``B``, static; ``B >= N_max`` gives exact gradients.
       weights: optional client weights ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params`` (see above). ``None``:
-        every leaf personalized.
+      personalized: True, False or a pytree of bools like ``params`` (see above and
+        :mod:`~karula_jax.algorithms._personalized`). Default True: every leaf per client.
       graph_weights: ``None`` (the default above), an array ``W`` ``[n, n]``
         (symmetric, finite, ``>= 0``; diagonal ignored) or a callable ``D -> W``.
 
@@ -196,7 +197,7 @@ def laplacian_penalty(
       ValueError: ``D`` not square/symmetric, negative or NaN; ``mu`` negative or NaN;
         ``learning_rate`` negative, NaN or inf; ``clients_per_round`` or ``batch_size``
         < 1 (``s > n`` at ``init``/``round``); bad ``weights`` or ``graph_weights``;
-        ``personalized`` not shaped like ``params`` (at ``init``).
+        ``personalized`` None, or not shaped like ``params`` (at ``init``).
     """
     check_dissimilarity(D)
     C.check_nonnegative("mu", mu, allow_inf=True)
@@ -204,6 +205,7 @@ def laplacian_penalty(
     s = C.check_positive_int("clients_per_round", clients_per_round)
     B = C.check_positive_int("batch_size", batch_size)
     C.check_weights(weights)
+    check_personalized(personalized)
     n = jnp.shape(D)[0]
     if graph_weights is None:
         d = C.concrete(D)
@@ -223,9 +225,7 @@ def laplacian_penalty(
         C.check_clients_per_round(s, n)
 
     def _flags(params):
-        if personalized is None:
-            return jax.tree.map(lambda _: True, params)
-        return jax.tree.map(bool, personalized)
+        return personalized_flags(personalized, params)
 
     def _prox(theta_half, eta):
         h = _shrink_factors(lam, eta, mu)
@@ -242,7 +242,7 @@ def laplacian_penalty(
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
+        _flags(params)  # its structure
         _check_data(data)
         key_init, key_run = C.init_and_run_keys(key)
         theta = C.broadcast(params, n)

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._personalized import (
+    check_personalized,
+    personalized_flags,
+    shared_leaves,
+)
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -24,7 +29,7 @@ def scaffold(
     local_steps: int = 5,
     global_learning_rate=1.0,
     weights=None,
-    personalized: Any = None,
+    personalized: Any = False,
 ) -> Algorithm:
     """SCAFFOLD with option II control variates.
 
@@ -60,9 +65,10 @@ def scaffold(
       global_learning_rate: server step ``> 0`` on the averaged update, default 1;
         may be traced.
       weights: optional ``alpha`` of shape ``[n]``.
-      personalized: optional pytree of bools like ``params``: True leaves are kept by
-        each client and never averaged (as in :func:`fedavg`) and get no control
-        variate (their controls stay 0: plain local SGD on them).
+      personalized: True, False or a pytree of bools like ``params``
+        (:mod:`~karula_jax.algorithms._personalized`): True leaves are kept by each client
+        and never averaged (as in :func:`fedavg`) and get no control variate (their
+        controls stay 0: plain local SGD on them). Default False: one global model.
 
     Returns:
       An :class:`Algorithm`; ``state.params`` holds the global model once (leaves
@@ -76,11 +82,7 @@ def scaffold(
     E = C.check_positive_int("local_steps", local_steps)
     C.check_positive("global_learning_rate", global_learning_rate)
     C.check_weights(weights)
-
-    def flags_like(params):
-        if personalized is None:
-            return jax.tree.map(lambda _: False, params)
-        return jax.tree.map(bool, personalized)
+    check_personalized(personalized)
 
     def client(x0, correction, xd, yd, count, key):
         """``E`` steps ``y <- y - lr (g(y) + correction)`` with ``correction = c - c_i``."""
@@ -96,7 +98,6 @@ def scaffold(
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
-        C.check_mask("personalized", personalized, params)
         n = data.num_clients
         C.check_clients_per_round(s, n)
         x = jax.tree.map(jnp.asarray, params)
@@ -107,7 +108,7 @@ def scaffold(
             C.run_key(key),
             memory=C.broadcast(zeros, n),
             extra=zeros,
-            shared=C.shared_leaves(x, personalized),
+            shared=shared_leaves(personalized, x),
         )
 
     def round_fn(state: FedState, data: ClientData):
@@ -124,7 +125,7 @@ def scaffold(
         delta = jax.tree.map(lambda y, x: y - x, y_rows, x_rows)  # y_i - x, [s, ...]
         denom = E * jnp.asarray(learning_rate, jnp.float32)
         inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-        flags = flags_like(c)
+        flags = personalized_flags(personalized, c)
 
         def new_control(f, ci, d, cor):
             # c_i+ = c_i - c + (x - y) / (E lr) = -(c - c_i) - (y - x) / (E lr)
