@@ -31,13 +31,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from karula_jax import _linalg
 from karula_jax._checks import (
     check_floating_dtype,
     check_nonnegative,
     check_positive_int,
     is_concrete,
 )
+from karula_jax._smoothness import linear_smoothness
 
 __all__ = [
     "MLP",
@@ -244,20 +244,6 @@ def ridge_loss(lam: float) -> Callable:
     return loss
 
 
-def _gram_max_eig(data, intercept: bool) -> jnp.ndarray:
-    """``lambda_max(Z_i^T Z_i / N_i)`` per client, ``Z_i = X_i`` or ``[X_i, 1]``; ``[n]``."""
-    x = jnp.asarray(data.x)
-    if x.ndim != 3:
-        raise ValueError(f"data.x must have shape [n, N_max, d], got {x.shape}")
-    mask = data.mask
-    x = jnp.where(mask[..., None], x, 0.0)  # padding never counts, even if it holds inf
-    if intercept:
-        x = jnp.concatenate([x, mask[..., None].astype(x.dtype)], axis=-1)
-    counts = jnp.maximum(jnp.asarray(data.counts, x.dtype), 1.0)
-    gram = jnp.einsum("nki,nkj->nij", x, x) / counts[:, None, None]
-    return _linalg.eigvalsh(gram)[:, -1]
-
-
 def ridge_smoothness(data, lam) -> jnp.ndarray:
     """Each client's Lipschitz constant of ``grad f_i`` for :func:`ridge_loss`.
 
@@ -273,7 +259,7 @@ def ridge_smoothness(data, lam) -> jnp.ndarray:
     Returns:
       ``L_i``, array of shape ``[n]``.
     """
-    return _gram_max_eig(data, intercept=False) + _check_lam(lam)
+    return linear_smoothness(data, _check_lam(lam), intercept=False, curvature=1.0)
 
 
 def logistic_smoothness(data, lam) -> jnp.ndarray:
@@ -292,7 +278,7 @@ def logistic_smoothness(data, lam) -> jnp.ndarray:
     Returns:
       ``L_i``, array of shape ``[n]``.
     """
-    return _gram_max_eig(data, intercept=True) / 4 + _check_lam(lam)
+    return linear_smoothness(data, _check_lam(lam), intercept=True, curvature=0.25)
 
 
 def linear_params(dim: int, dtype=jnp.float32) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from karula_jax._smoothness import linear_smoothness
 from karula_jax.algorithms import _common as C
 from karula_jax.data.clients import ClientData, client_weights
 
@@ -25,25 +26,15 @@ def _product_space_constant(
     if not isinstance(data, ClientData):
         raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
     C.check_nonnegative("lam", lam)
-    x = np.asarray(data.x, dtype=np.float64)
-    if x.ndim != 3:
-        raise ValueError(f"data.x must have shape [n, N_max, d], got {x.shape}")
     counts = np.asarray(data.counts)
-    mask = np.arange(x.shape[1])[None, :] < counts[:, None]
-    x = np.where(mask[..., None], x, 0.0)
-    if not np.all(np.isfinite(x)):
-        raise ValueError("data.x contains NaN or infinite values on real rows")
-    if intercept:
-        x = np.concatenate([x, mask[..., None].astype(np.float64)], axis=-1)
-    gram = np.einsum("nki,nkj->nij", x, x) / np.maximum(counts, 1)[:, None, None]
-    L_i = scale * np.linalg.eigvalsh(gram)[:, -1] + lam
+    L_i = linear_smoothness(data, lam, intercept=intercept, curvature=scale, float64=True)
     if weights is None:
         alpha = np.asarray(client_weights(counts), dtype=np.float64)
     else:
-        C.check_weights(weights, x.shape[0])
+        C.check_weights(weights, counts.shape[0])
         alpha = np.asarray(weights, dtype=np.float64)
     L = float(np.max(alpha * L_i))
-    return L if per_client else L / x.shape[0]
+    return L if per_client else L / counts.shape[0]
 
 
 def lipschitz_ridge(
