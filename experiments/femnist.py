@@ -115,25 +115,27 @@ def library_rates(cfg: Config, counts) -> dict[str, np.ndarray]:
 
 
 def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protocol.Method]:
-    """Every method; steps from the member argument ``rates`` (:func:`library_rates`)."""
+    """Every method; steps from the member argument ``rates`` (:func:`library_rates`);
+    ``personal``: the leaves Karula and the penalty personalize."""
     pick = lambda key: lambda rates, **_: rates[key]
     steps = dict(local=pick("local"), fedavg=pick("fedavg"), ifca=pick("fedavg"))
-    steps |= dict(karula=pick("karula"), ditto_personal=pick("fedavg"))
+    steps |= dict(karula=pick("karula"), penalty=pick("karula"), ditto_personal=pick("fedavg"))
     steps["penalty_mu"] = lambda rates, mu, **_: mu / rates["karula"]
     if cfg.rates == "default":  # Karula's own rule, with the coupling of its t and D
-        steps |= dict(karula=lambda **_: None, penalty=pick("karula"))
+        steps["karula"] = lambda **_: None
     grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t, "FedProx": cfg.fedprox_grid}
     grids |= {"Ditto": cfg.ditto_grid, "Laplacian penalty on D": cfg.penalty_grid}
     grids |= {"Clustered FedAvg on D": cfg.cluster_grid}
-    return protocol.method_suite(
-        loss,
-        steps,
-        names=names,
+    mask = dict(personalized=personal)
+    return protocol.build_methods(
+        names,
+        loss=loss,
+        rates=steps,
         grids=grids,
+        options={"Karula": mask, "Laplacian penalty on D": mask},
         clients_per_round=cfg.clients_per_round,
         batch_size=cfg.batch_size,
         local_steps=cfg.local_steps,
-        personalized=personal,
     )
 
 

@@ -87,14 +87,15 @@ def make_methods(cfg: Config, batch_size: int) -> dict[str, protocol.Method]:
     grids = {"IFCA": cfg.ifca_clusters, "pFedMe": cfg.pfedme_lam, "Karula": cfg.t_grid}
     grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
     grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
-    return protocol.method_suite(
-        models.logistic_loss(cfg.lam),
-        rates,
+    return protocol.build_methods(
+        METHODS,
+        loss=models.logistic_loss(cfg.lam),
+        rates=rates,
         grids=grids,
+        options={"pFedMe": dict(inner_steps=cfg.pfedme_inner)},
         clients_per_round=cfg.clients_per_round,
         batch_size=batch_size,
         local_steps=cfg.local_steps,
-        pfedme_inner_steps=cfg.pfedme_inner,
     )
 
 

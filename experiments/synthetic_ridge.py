@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.report import OUTPUT
-from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax import protocol, reporting
 from karula_jax.data import ClientData, synthetic_ridge
@@ -183,27 +182,30 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
 
 def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
     """Every method with the step sizes of ``results/synthetic/README.md``."""
-    loss, k = ridge_loss(cfg.lam), cfg.rate_karula
-    rates = dict(karula=k, fedavg=cfg.rate_fedavg, ifca=cfg.rate_ifca, personal=cfg.rate_pfedme)
-    rates = protocol.smoothness_rates(**rates, num_clients=cfg.num_clients)
+    rates = dict(karula=cfg.rate_karula, fedavg=cfg.rate_fedavg, ifca=cfg.rate_ifca)
+    rates = protocol.smoothness_rates(
+        **rates, personal=cfg.rate_pfedme, num_clients=cfg.num_clients
+    )
     grids = {"IFCA": cfg.k_grid, "pFedMe": cfg.pfedme_grid, "Karula": cfg.t_grid}
     grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
     grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
-    suite = protocol.method_suite(
-        loss,
-        rates,
-        names=protocol.SUITE[1:],
+    options = {
+        "Local": dict(clients_per_round=None),  # every client every round
+        "pFedMe": dict(inner_steps=cfg.pfedme_inner_steps),
+        "Karula": dict(
+            projection_tol=cfg.projection_tol, projection_max_iter=cfg.projection_max_iter
+        ),
+    }
+    return protocol.build_methods(
+        METHODS + EXTRA,
+        loss=ridge_loss(cfg.lam),
+        rates=rates,
         grids=grids,
+        options=options,
         clients_per_round=cfg.clients_per_round,
         batch_size=n_max,
         local_steps=cfg.local_steps,
-        pfedme_inner_steps=cfg.pfedme_inner_steps,
-        projection_tol=cfg.projection_tol,
-        projection_max_iter=cfg.projection_max_iter,
     )
-    # Local: every client every round
-    local = lambda L_f, **_: A.local(loss, learning_rate=k / L_f, batch_size=n_max)
-    return {"Local": protocol.Method(local)} | suite
 
 
 def _metrics(theta, evals):

@@ -789,8 +789,8 @@ PLANTED = {  # a bad value of member 1 and what the error must say
 def _suite(names, grids=GRIDS):
     rates = protocol.smoothness_rates(karula=0.5, fedavg=0.5, ifca=0.5, personal=0.5,
                                       num_clients=N)  # fmt: skip
-    return protocol.method_suite(LOSS, rates, names=names, grids=grids, clients_per_round=2,
-                                 batch_size=2, local_steps=1)  # fmt: skip
+    return protocol.build_methods(names, loss=LOSS, rates=rates, grids=grids,
+                                  clients_per_round=2, batch_size=2, local_steps=1)  # fmt: skip
 
 
 def _run_method(method, kwargs):

@@ -11,8 +11,11 @@ from karula_jax.data import from_client_arrays
 from karula_jax.embedding import dissimilarities
 from karula_jax.models import ridge_loss
 from karula_jax.protocol import (
+    REGISTRY,
     SUITE,
     Method,
+    MethodRow,
+    build_methods,
     choice_grid,
     cluster_labels,
     compare,
@@ -21,9 +24,10 @@ from karula_jax.protocol import (
     default_rates,
     member_default_rates,
     member_dissimilarities,
-    method_suite,
+    register,
     scalar_grid,
     smoothness_constants,
+    smoothness_rates,
     stack_datasets,
 )
 from karula_jax.training import run_many
@@ -111,10 +115,10 @@ def test_grid_edges_are_flagged_unless_natural_limits():
     assert t.natural_points() == []
     k = Method(lambda **_: None, **choice_grid("k", (1, 2, 3)))
     assert k.natural_points() == [0]
-    suite = method_suite(
-        ridge_loss(0.1),
-        {},
-        names=("IFCA", "Clustered FedAvg on D"),
+    suite = build_methods(
+        ("IFCA", "Clustered FedAvg on D"),
+        loss=ridge_loss(0.1),
+        rates=smoothness_rates(karula=1.0, fedavg=1.0, ifca=1.0, personal=1.0, num_clients=4),
         grids={"IFCA": (1, 2, 3), "Clustered FedAvg on D": (2, 3)},
         clients_per_round=2,
         batch_size=2,
@@ -187,18 +191,19 @@ def _two_rounds(algorithm, data, params):
     return np.asarray(algorithm.client_params(state, data))
 
 
-def test_method_suite_builds_each_algorithm_with_its_rates_and_grid():
+def test_registry_builds_each_algorithm_with_its_rates_and_grid():
     data, loss = _data(0, (6, 9, 4, 7)), ridge_loss(0.1)
     D = np.abs(np.subtract.outer(np.arange(4.0), np.arange(4.0)))
     member = {"D": D, "labels": np.array([[0, 0, 1, 1], [0, 1, 2, 2]]), "L": 2.0}
-    names = ("local", "fedsgd", "fedavg", "ifca", "karula", "ditto_personal")
+    names = ("local", "fedsgd", "fedavg", "ifca", "karula", "ditto_personal", "penalty")
     rates = {k: (lambda L, i=i, **_: 0.05 * (i + 1) / L) for i, k in enumerate(names)}
     rates |= {"pfedme": lambda lam, **_: 0.1 / lam, "pfedme_personal": lambda L, **_: 0.2 / L}
     rates["penalty_mu"] = lambda L, mu, **_: mu * L
     grids = {"IFCA": (1, 2), "pFedMe": 15.0, "Karula": (0.5, 2.0), "FedProx": (0.1,)}
     grids |= {"Ditto": (1.0,), "Laplacian penalty on D": (3.0,), "Clustered FedAvg on D": (2, 3)}
-    suite = method_suite(loss, rates, grids=grids, clients_per_round=3, batch_size=9, local_steps=2)
-    assert list(suite) == list(SUITE)
+    local = dict(clients_per_round=3, batch_size=9, local_steps=2)
+    suite = build_methods(SUITE, loss=loss, rates=rates, grids=grids, **local)
+    assert list(suite) == list(SUITE) == list(REGISTRY)[: len(SUITE)]
     common = dict(clients_per_round=3, batch_size=9)
     local = dict(common, local_steps=2)
     r = {k: f(**member) for k, f in rates.items() if k not in ("pfedme", "penalty_mu")}
@@ -226,7 +231,7 @@ def test_method_suite_builds_each_algorithm_with_its_rates_and_grid():
             **local,
         ),
         "Laplacian penalty on D": A.laplacian_penalty(
-            loss, D, mu=6.0, learning_rate=r["karula"], **common
+            loss, D, mu=6.0, learning_rate=r["penalty"], **common
         ),
         "Clustered FedAvg on D": A.clustered_fedavg(
             loss, member["labels"][1], learning_rate=r["fedavg"], **local
@@ -237,13 +242,83 @@ def test_method_suite_builds_each_algorithm_with_its_rates_and_grid():
         point = method.points()[-1]
         got = _two_rounds(method.make(**member, **point), data, params)
         np.testing.assert_allclose(got, _two_rounds(want[name], data, params), rtol=1e-6)
-    assert suite["IFCA"].static_grid == [{"k": 1}, {"k": 2}] and suite["IFCA"].grid is None
+    assert suite["IFCA"].static_grid == [{"num_clusters": 1}, {"num_clusters": 2}]
+    assert suite["IFCA"].grid is None and suite["IFCA"].labels() == ["k=1", "k=2"]
     assert suite["pFedMe"].labels() == [""]  # a single value is fixed, not a grid
     assert suite["Karula"].labels() == ["t=0.5", "t=2"]
     assert suite["Laplacian penalty on D"].labels() == ["mu/L_f=3"]
     assert suite["Clustered FedAvg on D"].labels() == ["k=2", "k=3"]
-    only = method_suite(loss, rates, names=("Karula",), grids={"Karula": 1.0}, **local)
-    assert list(only) == ["Karula"]
+    only = build_methods(("Karula",), loss=loss, rates=rates, grids={"Karula": 1.0}, **local)
+    assert list(only) == ["Karula"] and not only["Karula"].tuned
+    # a row's default grid when the study gives none
+    assert build_methods(("Karula",), loss=loss, rates=rates, **local)["Karula"].labels() == [
+        f"t={t:.3g}" for t in REGISTRY["Karula"].grid
+    ]
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['Nope'\]"):
+        build_methods(("Nope",), loss=loss, rates=rates, **local)
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['Karul'\]"):
+        build_methods(("Karula",), loss=loss, rates=rates, grids={"Karul": (1.0,)}, **local)
+    with pytest.raises(ValueError, match=r"Ditto needs the rate rule\(s\) \['ditto_personal'\]"):
+        build_methods(("Ditto",), loss=loss, rates={"fedavg": rates["fedavg"]}, **local)
+
+
+def _damped_local(loss, *, damping, learning_rate, clients_per_round, batch_size):
+    """A toy method: :func:`~karula_jax.algorithms.local` at ``damping`` times its step."""
+    return A.local(
+        loss,
+        learning_rate=damping * learning_rate,
+        clients_per_round=clients_per_round,
+        batch_size=batch_size,
+    )
+
+
+def test_a_new_method_is_one_registry_row():
+    """One ``register`` call, and the toy method runs through ``compare`` beside a built-in
+    one; its outcome is that of the same method written by hand."""
+    row = MethodRow(
+        "Damped local",
+        _damped_local,
+        hyper="damping",
+        grid=(0.5, 1.0),
+        rates={"learning_rate": "local"},
+        settings=("clients_per_round", "batch_size"),
+    )
+    S, K = 2, 2
+    train = stack_datasets([_data(s, (8, 6, 10)) for s in range(S)])
+    test = stack_datasets([_data(10 + s, (4, 4, 4)) for s in range(S)])
+    cv = cv_datasets(train, test, K, key=jax.random.split(jax.random.key(1), S))
+    L_f, L_max = smoothness_constants(cv.train, 0.01)
+    loss, linear = ridge_loss(0.01), lambda th, x: x @ th
+    kw = dict(keys=jax.random.split(jax.random.key(2), S), num_rounds=5)
+    kw |= dict(eval_fn=lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)})
+    kw |= dict(score=lambda m: m["mse"].mean(-1), member_kwargs=dict(L_f=L_f, L_max=L_max))
+    rates = smoothness_rates(karula=0.5, fedavg=0.1, ifca=0.5, personal=0.5, num_clients=3)
+    register(row)
+    try:
+        methods = build_methods(
+            ["Damped local", "FedAvg"],
+            loss=loss,
+            rates=rates,
+            clients_per_round=2,
+            batch_size=10,
+            local_steps=2,
+        )
+        with pytest.raises(ValueError, match="replace=True"):
+            register(row)
+    finally:
+        REGISTRY.pop(row.name)
+    out = compare(methods, jnp.zeros(2), cv, log=lambda line: None, **kw)
+    assert list(out) == ["Damped local", "FedAvg"]
+    assert out["Damped local"].labels == ["damping=0.5", "damping=1"]
+    by_hand = Method(
+        lambda L_f, damping, **_: A.local(
+            loss, learning_rate=damping * 0.5 / L_f, clients_per_round=2, batch_size=10
+        ),
+        **scalar_grid("damping", (0.5, 1.0)),
+    )
+    want = cross_validate(by_hand, jnp.zeros(2), cv, **kw)
+    np.testing.assert_array_equal(out["Damped local"].chosen, want.chosen)
+    np.testing.assert_allclose(out["Damped local"].metrics["mse"], want.metrics["mse"], rtol=1e-6)
 
 
 def test_member_dissimilarities_match_one_call_per_member():

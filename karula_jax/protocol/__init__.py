@@ -1,0 +1,71 @@
+"""The comparison protocol every study runs: CV folds x seeds, grids, final fits.
+
+A study compares methods on ``S`` seeds, each with its own training and test data; every
+method with hyperparameters is cross-validated per seed. The path of a study:
+
+1. :mod:`~karula_jax.protocol.datasets`: :func:`stack_datasets` stacks the seeds' data,
+   :func:`cv_datasets` lays out the ``S (K + 1)`` members (folds and final fits),
+   :func:`member_dissimilarities` gives every member its D, :func:`cluster_labels` its
+   clients' groups.
+2. :mod:`~karula_jax.protocol.rates`: the step-size rules (:func:`smoothness_rates` from
+   :func:`smoothness_constants`; :func:`member_default_rates`, each method's default).
+3. :mod:`~karula_jax.protocol.methods`: the registry, one :class:`MethodRow` per method
+   (factory, tuned hyperparameter and grid, rate rules, display name);
+   :func:`build_methods` makes the study's :class:`Method` objects; :func:`register`
+   adds a method.
+4. :mod:`~karula_jax.protocol.cv`: :func:`cross_validate` trains a method on every member
+   and grid point with :func:`karula_jax.training.run_many` and picks a point per seed;
+   :func:`compare` does so for every method.
+"""
+
+from karula_jax.protocol.cv import CVOutcome, compare, cross_validate
+from karula_jax.protocol.datasets import (
+    CVData,
+    cluster_labels,
+    cv_datasets,
+    mean_normalized,
+    member_dissimilarities,
+    stack_datasets,
+)
+from karula_jax.protocol.methods import (
+    GRID_KINDS,
+    REGISTRY,
+    SUITE,
+    Method,
+    MethodRow,
+    build_methods,
+    choice_grid,
+    register,
+    scalar_grid,
+)
+from karula_jax.protocol.rates import (
+    default_rates,
+    member_default_rates,
+    smoothness_constants,
+    smoothness_rates,
+)
+
+__all__ = [
+    "GRID_KINDS",
+    "REGISTRY",
+    "SUITE",
+    "CVData",
+    "CVOutcome",
+    "Method",
+    "MethodRow",
+    "build_methods",
+    "choice_grid",
+    "cluster_labels",
+    "compare",
+    "cross_validate",
+    "cv_datasets",
+    "default_rates",
+    "mean_normalized",
+    "member_default_rates",
+    "member_dissimilarities",
+    "register",
+    "scalar_grid",
+    "smoothness_constants",
+    "smoothness_rates",
+    "stack_datasets",
+]

@@ -1,0 +1,209 @@
+"""Cross-validated comparison: every method on every member and grid point, a choice per seed.
+
+For a method with hyperparameters, every seed's training rows are split into ``K``
+client-wise folds (:func:`karula_jax.protocol.cv_datasets`), the method is trained on
+every fold and on the full training rows at every grid point, the grid point with the
+best validation score (:func:`karula_jax.evaluation.select_by_cv`) is chosen per seed, and
+the seed's result is the final fit at that point, scored on its test rows. A method
+without hyperparameters is trained on the final fits only.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from karula_jax import evaluation as ev
+from karula_jax.protocol.datasets import CVData
+from karula_jax.protocol.methods import Method
+from karula_jax.training import (
+    ProjectionNotConvergedWarning,
+    describe_diagnostics,
+    progress_bar,
+    run_many,
+)
+
+__all__ = ["CVOutcome", "compare", "cross_validate"]
+
+
+class CVOutcome(NamedTuple):
+    """Per-seed outcome of :func:`cross_validate` (host arrays).
+
+    Attributes:
+      metrics: every metric of the final fit at the chosen point, ``[S, ...]``.
+      grid_metrics: the same at every grid point, ``[S, G, ...]``.
+      chosen: chosen grid index per seed, ``[S]`` (0 without a grid).
+      labels: the grid points' labels, ``[G]`` (``[""]`` without a grid).
+      cv_score: cross-validated score ``[S, G]`` (None without a grid).
+      finite: whether the chosen final fit stayed finite, ``[S]``.
+      edge: whether the choice is an edge of the grid that is not a natural limit
+        (:func:`karula_jax.evaluation.grid_edge`), ``[S]`` bool: the grid is too narrow.
+      seconds: wall clock of the method's runs, compilation included.
+      diagnostics: the projection's report (:func:`karula_jax.training.describe_diagnostics`)
+        when a run had an inexact projection, else "".
+    """
+
+    metrics: dict[str, np.ndarray]
+    grid_metrics: dict[str, np.ndarray]
+    chosen: np.ndarray
+    labels: list[str]
+    cv_score: np.ndarray | None
+    finite: np.ndarray
+    edge: np.ndarray
+    seconds: float
+    diagnostics: str
+
+    @property
+    def chosen_labels(self) -> list[str]:
+        """The chosen point per seed; ``" [edge]"`` marks a choice on a grid edge."""
+        return [
+            self.labels[c] + (" [edge]" if e else "")
+            for c, e in zip(self.chosen, self.edge, strict=True)
+        ]
+
+
+def cross_validate(
+    method: Method,
+    params: Any,
+    data: CVData,
+    *,
+    keys: jax.Array,
+    num_rounds: int,
+    eval_fn: Callable[[Any, Any], dict],
+    score: Callable[[dict[str, np.ndarray]], np.ndarray] | None = None,
+    member_kwargs: Mapping[str, Any] | None = None,
+    eval_data: Any = None,
+    fold_weights: Any = None,
+    maximize: bool = False,
+    params_per_seed: bool = False,
+    warn_unconverged: bool = True,
+    **run_kwargs,
+) -> CVOutcome:
+    """Trains ``method`` on every member and grid point, picks a point per seed by CV.
+
+    Args:
+      method: the :class:`Method`.
+      params: one initial model, or ``[S]`` of them with ``params_per_seed``.
+      data: the :class:`CVData`.
+      keys: run keys ``[S]``; all members of a seed share its key (common random numbers).
+      num_rounds: rounds of every run.
+      eval_fn: ``eval_fn(client_params, eval_data_member) -> {name: [n] or []}``, at the end.
+      score: maps validation metrics ``{name: [S, K, G, ...]}`` to scores ``[S, K, G]``
+        (lower is better unless ``maximize``). Required when the method has a grid.
+      member_kwargs: ``{name: [S (K + 1), ...]}`` factory arguments of each member (its D,
+        its smoothness constant).
+      eval_data: what ``eval_fn`` sees per member ``[S (K + 1), ...]`` (default ``data.evals``).
+      fold_weights: optional ``[S, K]`` weights of the folds in the CV score.
+      maximize: higher scores are better.
+      params_per_seed: ``params`` has a seed axis.
+      warn_unconverged: warn about rounds whose projection stopped at its iteration cap
+        (a deliberately capped projection can turn this off; the report is still returned).
+      **run_kwargs: further options of :func:`karula_jax.training.run_many`.
+
+    Returns:
+      A :class:`CVOutcome`.
+    """
+    S, K = data.num_seeds, data.num_folds
+    if method.tuned and score is None:
+        raise ValueError("score is required for a method with a grid")
+    # Untuned methods need the final fits only.
+    members = np.arange(S * (K + 1)) if method.tuned else np.arange(S) * (K + 1) + K
+    take = lambda tree: jax.tree.map(lambda a: a[members], tree)
+    per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
+    options = dict(eval_every_chunk=False, chunk_size=num_rounds, on_nonfinite="record")
+    options |= dict(progress=False) | run_kwargs
+    t0 = time.perf_counter()
+    parts, reports = [], []
+    for static in method.static_grid or [{}]:
+        with warnings.catch_warnings():
+            if not warn_unconverged:
+                warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
+            res = run_many(
+                functools.partial(method.make, **static),
+                per_member(params) if params_per_seed else params,
+                take(data.train),
+                keys=per_member(keys),
+                num_rounds=num_rounds,
+                hyper=method.grid or None,
+                data_per_seed=True,
+                params_per_seed=params_per_seed,
+                batch_kwargs=take(member_kwargs) if member_kwargs else None,
+                eval_fn=eval_fn,
+                eval_data=take(data.evals if eval_data is None else eval_data),
+                eval_data_per_seed=True,
+                **options,
+            )
+        d = res.diagnostics
+        if d["unconverged_rounds"] or d["worst_proj_delta"] > 0:
+            reports.append(describe_diagnostics(d))
+        m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
+        m["finite"] = np.asarray(res.info.finite).all(axis=0)
+        grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
+        parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
+    m = {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+    m = {k: v.reshape((S, -1) + v.shape[1:]) for k, v in m.items()}  # [S, F, G, ...]
+    chosen, cv_score = np.zeros(S, dtype=int), None
+    if method.tuned:
+        val = {k: v[:, :K] for k, v in m.items()}
+        sel = ev.select_by_cv(
+            score(val), fold_weights=fold_weights, valid=val["finite"], maximize=maximize
+        )
+        chosen, cv_score = sel.index, sel.score
+    grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
+    return CVOutcome(
+        metrics={k: v[np.arange(S), chosen] for k, v in grid_metrics.items()},
+        grid_metrics=grid_metrics,
+        chosen=chosen,
+        labels=method.labels(),
+        cv_score=cv_score,
+        finite=m["finite"][np.arange(S), -1, chosen],
+        edge=ev.grid_edge(chosen, len(method.labels()), natural=method.natural_points())
+        if method.tuned
+        else np.zeros(S, bool),
+        seconds=time.perf_counter() - t0,
+        diagnostics="; ".join(reports),
+    )
+
+
+def compare(
+    methods: Mapping[str, Method],
+    params: Any,
+    data: CVData,
+    *,
+    describe: Callable[[CVOutcome], str] = lambda outcome: "",
+    log: Callable[[str], None] = print,
+    **options,
+) -> dict[str, CVOutcome]:
+    """Cross-validates every method in turn (:func:`cross_validate`), with a progress bar.
+
+    Args:
+      methods: ``{name: Method}``, run in this order.
+      params: the initial model(s), as in :func:`cross_validate`.
+      data: the :class:`CVData`.
+      describe: a method's summary for the log, ``describe(outcome) -> str``.
+      log: where a line per method goes (its projection report when inexact, its wall
+        time, ``describe`` and the CV choice per seed).
+      **options: the other arguments of :func:`cross_validate`.
+
+    Returns:
+      ``{name: CVOutcome}`` in the order of ``methods``.
+    """
+    outcomes = {}
+    for name in progress_bar(list(methods), desc="methods", unit="method"):
+        out = outcomes[name] = cross_validate(methods[name], params, data, **options)
+        if out.diagnostics:
+            log(f"    {out.diagnostics}")
+        chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""
+        log(f"{name:7s} {out.seconds:6.1f} s  {describe(out)}{chosen}")
+        if out.edge.any():
+            log(
+                f"    {name}: CV chose an edge of its grid in {int(out.edge.sum())} of "
+                f"{out.edge.size} seeds (not a natural limit): widen the grid"
+            )
+    return outcomes

@@ -1,0 +1,153 @@
+"""The data of a study: stacked data sets, the CV layout, and what each member needs from its
+data (Karula's D, the clients' groups).
+
+A study has ``S`` seeds, each with its own training and test data. :func:`cv_datasets`
+stacks the ``S (K + 1)`` data sets a cross-validated comparison trains on, seed-major on
+one *member* axis: member ``s (K + 1) + f`` holds fold ``f``'s training rows (``evals``:
+its validation rows) for ``f < K`` and all training rows (``evals``: the test rows) for
+``f = K``, the seed's final fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from karula_jax import algorithms as A
+from karula_jax import evaluation as ev
+from karula_jax.data.clients import ClientData
+from karula_jax.embedding import dissimilarities
+
+__all__ = [
+    "CVData",
+    "cluster_labels",
+    "cv_datasets",
+    "mean_normalized",
+    "member_dissimilarities",
+    "stack_datasets",
+]
+
+
+def _pad_rows(data: ClientData, rows: int) -> ClientData:
+    """Pads the row axis (the one after ``counts``' axes) with zeros to ``rows``."""
+    lead = data.counts.ndim
+    if data.x.shape[lead] > rows:
+        raise ValueError(f"rows must be >= the data's {data.x.shape[lead]} rows, got {rows}")
+    pad = lambda a: jnp.pad(
+        a, [(0, 0)] * lead + [(0, rows - a.shape[lead])] + [(0, 0)] * (a.ndim - lead - 1)
+    )
+    return ClientData(pad(data.x), pad(data.y), data.counts)
+
+
+def stack_datasets(items: Sequence[ClientData], *, rows: int | None = None) -> ClientData:
+    """Stacks data sets with the same clients on a new leading axis, padding their rows.
+
+    Args:
+      items: data sets with equal client counts and feature shapes.
+      rows: rows per client after padding (default: the largest of ``items``).
+
+    Returns:
+      A :class:`ClientData` with leaves ``[len(items), n, rows, ...]``.
+    """
+    if not items:
+        raise ValueError("items must hold at least one data set")
+    rows = max(int(d.x.shape[1]) for d in items) if rows is None else rows
+    shapes = {(d.x.shape[0], d.x.shape[2:], d.y.shape[2:]) for d in items}
+    if len(shapes) != 1:
+        raise ValueError(f"items must share clients and feature shapes, got {sorted(shapes)}")
+    return jax.tree.map(lambda *a: jnp.stack(a), *(_pad_rows(d, rows) for d in items))
+
+
+class CVData(NamedTuple):
+    """``S (K + 1)`` data sets on one member axis (layout: module docstring)."""
+
+    train: ClientData  # leaves [S (K + 1), n, N, ...]
+    evals: ClientData  # leaves [S (K + 1), n, N_eval, ...]
+    num_seeds: int
+    num_folds: int
+
+    def final(self, tree: Any) -> Any:
+        """The final-fit members ``[S, ...]`` of a member-stacked ``tree``."""
+        K = self.num_folds
+        return jax.tree.map(lambda a: a[K :: K + 1], tree)
+
+    def per_member(self, tree: Any) -> Any:
+        """Repeats per-seed leaves ``[S, ...]`` for every member ``[S (K + 1), ...]``."""
+        return jax.tree.map(lambda a: jnp.repeat(a, self.num_folds + 1, axis=0), tree)
+
+
+def cv_datasets(
+    train: ClientData, test: ClientData, num_folds: int, *, key=None, folds=None
+) -> CVData:
+    """Splits each seed's training rows into ``K`` folds and stacks folds and final fits.
+
+    Args:
+      train: training data per seed, leaves ``[S, n, N, ...]``.
+      test: test data per seed, leaves ``[S, n, N_test, ...]``.
+      num_folds: ``K >= 2``.
+      key: stacked keys ``[S]`` drawing each seed's folds (:func:`~karula_jax.evaluation.fold_ids`).
+      folds: or explicit fold ids ``[S, n, N]`` (``-1`` on padding); exactly one of the two.
+
+    Returns:
+      A :class:`CVData`; validation and test rows are padded to a common row count.
+    """
+    if (key is None) == (folds is None):
+        raise ValueError("pass exactly one of key and folds")
+    if train.counts.ndim != 2 or test.counts.ndim != 2:
+        raise ValueError("train and test must have leaves [S, n, N, ...] (a seed axis)")
+    if train.counts.shape != test.counts.shape:
+        raise ValueError(
+            f"train and test must have the same seeds and clients, got counts "
+            f"{train.counts.shape} and {test.counts.shape}"
+        )
+    K = num_folds
+    if folds is None:
+        fit, val = jax.vmap(lambda d, k: ev.kfold_split(d, K, key=k))(train, key)
+    else:
+        fit, val = jax.vmap(lambda d, f: ev.kfold_split(d, K, folds=f))(train, jnp.asarray(folds))
+    rows = max(int(train.x.shape[2]), int(test.x.shape[2]))
+    val, test = _pad_rows(val, rows), _pad_rows(test, rows)
+    join = lambda a, b: jnp.concatenate([a, b[:, None]], 1).reshape((-1,) + a.shape[2:])
+    S = int(train.counts.shape[0])
+    return CVData(jax.tree.map(join, fit, train), jax.tree.map(join, val, test), S, K)
+
+
+def mean_normalized(D):
+    """Each ``[n, n]`` matrix of ``D`` (``[..., n, n]``, zero diagonal) divided by its mean
+    off-diagonal entry, so that a grid of ``t`` means the same across data sets. Works on
+    numpy and JAX arrays alike (computed in ``D``'s own dtype)."""
+    n = D.shape[-1]
+    return D / (D.sum(axis=(-2, -1), keepdims=True) / (n * (n - 1)))
+
+
+def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tuple[Any, Any]:
+    """Karula's D of every member of a stacked data set, as one compiled vmapped program.
+
+    Args:
+      train: members' data, leaves ``[B, n, N, ...]``.
+      key: one key for every member, or stacked keys ``[B]`` (one per member).
+      **options: keywords of :func:`karula_jax.embedding.dissimilarities`.
+
+    Returns:
+      ``(D [B, n, n], info)``, ``info`` with a leading member axis.
+    """
+    if jnp.ndim(key) == 0:
+        return jax.jit(jax.vmap(lambda d: dissimilarities(d, key=key, **options)))(train)
+    return jax.jit(jax.vmap(lambda d, k: dissimilarities(d, key=k, **options)))(train, key)
+
+
+def cluster_labels(D: Any, choices: Sequence[int]) -> np.ndarray:
+    """Spectral clusters of every member's D for each number of clusters in ``choices``.
+
+    Args:
+      D: dissimilarities ``[B, n, n]``.
+      choices: numbers of clusters (:func:`karula_jax.algorithms.cluster_clients`).
+
+    Returns:
+      Labels ``[B, len(choices), n]`` int32 (the clustered FedAvg's ``labels``).
+    """
+    return np.asarray([[A.cluster_clients(d, k) for k in choices] for d in np.asarray(D)], np.int32)

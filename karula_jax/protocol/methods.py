@@ -1,0 +1,350 @@
+"""The methods a study compares: one registry row per method.
+
+A :class:`MethodRow` says how to build a method for a study: its factory, the
+hyperparameter cross-validation tunes and its default grid, the rate rules its steps come
+from (:mod:`karula_jax.protocol.rates`), the member arguments it reads (its ``D``, its
+clusters) and the study settings it takes. :func:`build_methods` turns rows into the
+:class:`Method` objects that :func:`karula_jax.protocol.cross_validate` and
+:func:`~karula_jax.protocol.compare` run. Adding a method is adding a row::
+
+    def my_method(loss, *, lam, learning_rate, clients_per_round, batch_size): ...
+
+    register(MethodRow("Mine", my_method, hyper="lam", grid=(0.1, 1.0),
+                       rates={"learning_rate": "fedavg"}))
+    methods = build_methods(["Mine", "FedAvg"], loss=loss, rates=rates, ...)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from karula_jax import algorithms as A
+from karula_jax.algorithms.base import Algorithm, LossFn
+
+__all__ = [
+    "GRID_KINDS",
+    "REGISTRY",
+    "SUITE",
+    "Method",
+    "MethodRow",
+    "build_methods",
+    "choice_grid",
+    "register",
+    "scalar_grid",
+]
+
+
+class Method(NamedTuple):
+    """A method to compare and the hyperparameters to choose from.
+
+    Attributes:
+      make: ``make(**member_kwargs, **hyper) -> Algorithm`` (traced values).
+      grid: ``{name: [G] values}`` crossed in one compiled program (traced), or None.
+      static_grid: entries ``{name: value}`` passed as Python values, one compilation
+        each (e.g. a number of clusters that fixes shapes), or None.
+      label: names a grid point for tables, ``label(point) -> str``.
+      natural: whether a grid point is a natural limit of the method (no wider grid
+        exists beyond it), ``natural(point) -> bool``; None: a point whose every value is
+        0 or infinite (``t = 0``, ``t = inf``, ``mu = 0``). A CV choice on another edge of
+        the grid is flagged (:func:`karula_jax.evaluation.grid_edge`).
+    """
+
+    make: Callable[..., Algorithm]
+    grid: Mapping[str, Any] | None = None
+    static_grid: Sequence[Mapping[str, Any]] | None = None
+    label: Callable[[Mapping[str, Any]], str] | None = None
+    natural: Callable[[Mapping[str, Any]], bool] | None = None
+
+    @property
+    def tuned(self) -> bool:
+        return bool(self.grid) or bool(self.static_grid)
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every grid point, static entries outermost (the order of the results)."""
+        grid = self.grid or {}
+        traced = [dict(zip(grid, v, strict=True)) for v in zip(*grid.values(), strict=True)]
+        statics = self.static_grid or [{}]
+        return [dict(s) | t for s, t in itertools.product(statics, traced or [{}])]
+
+    def natural_points(self) -> list[int]:
+        """Indices of the grid points that are natural limits (see ``natural``)."""
+        rule = self.natural or (
+            lambda p: all(np.all((np.asarray(v) == 0) | np.isinf(v)) for v in p.values())
+        )
+        return [i for i, p in enumerate(self.points()) if self.tuned and rule(p)]
+
+    def labels(self) -> list[str]:
+        if not self.tuned:
+            return [""]
+        name = self.label or (lambda p: ", ".join(f"{k}={v:.3g}" for k, v in p.items()))
+        return [name(p) for p in self.points()]
+
+
+def scalar_grid(name: str, values, *, shown: str | None = None) -> dict[str, Any]:
+    """``Method`` keywords for a traced grid of one scalar argument ``name`` (float32);
+    points are labelled ``shown=value`` (``shown`` defaults to ``name``)."""
+    text = shown or name
+    return dict(
+        grid={name: np.asarray(values, np.float32)}, label=lambda p: f"{text}={p[name]:.3g}"
+    )
+
+
+def choice_grid(
+    name: str, choices, *, natural: Callable[[Any], bool] = lambda choice: choice == 1
+) -> dict[str, Any]:
+    """``Method`` keywords for a traced grid over ``choices`` by index (e.g. a number of
+    clusters whose labels the member arguments hold per choice): ``make`` receives the
+    index as ``name``; labels show the choice; ``natural(choice)`` marks a natural limit
+    (default: one cluster, nothing below it)."""
+    choices = list(choices)
+    return dict(
+        grid={name: np.arange(len(choices))},
+        label=lambda p: f"{name}={choices[int(p[name])]}",
+        natural=lambda p: natural(choices[int(p[name])]),
+    )
+
+
+GRID_KINDS = ("traced", "static", "choice")
+
+
+class MethodRow(NamedTuple):
+    """One method of the registry.
+
+    Attributes:
+      name: the display name (keys of the suite, rows of the tables).
+      factory: ``factory(loss, **keywords) -> Algorithm``. The keywords are the
+        ``settings`` it takes, the member arguments ``members`` maps, the values of its
+        ``rates`` and its tuned hyperparameter ``hyper``, plus per-study ``options``.
+      hyper: the keyword cross-validation tunes, or None.
+      grid: the default grid of ``hyper``: a tuple (CV chooses among its values) or a
+        single value (fixed). A study may pass its own.
+      rates: ``{factory keyword: rule name}``; the study's ``rates[rule]`` is evaluated
+        as ``rule(**member_kwargs, **grid_point)`` per member and grid point and
+        overrides ``hyper`` when both name the same keyword (e.g. the penalty's ``mu``).
+      members: ``{factory keyword: member argument}`` the factory reads per member (e.g.
+        ``{"D": "D"}``); a member argument the study does not give is not passed.
+      settings: the study-wide settings the factory takes, among the keywords of
+        :func:`build_methods` (``clients_per_round``, ``batch_size``, ``local_steps``).
+      kind: how the grid runs (:data:`GRID_KINDS`): ``"traced"`` (float32 values, one
+        compiled program), ``"static"`` (Python values, one compilation each, e.g. a
+        number of clusters that fixes shapes) or ``"choice"`` (the factory receives the
+        index of a value, traced; e.g. per-member labels ``[choices, n]``).
+      shown: the hyperparameter's name in labels (default ``hyper``).
+      natural: ``natural(value) -> bool``, a value beyond which no wider grid exists;
+        None: a value of 0 or inf (``"choice"``: a value of 1).
+    """
+
+    name: str
+    factory: Callable[..., Algorithm]
+    hyper: str | None = None
+    grid: Any = None
+    rates: Mapping[str, str] = {"learning_rate": "fedavg"}
+    members: Mapping[str, str] = {}
+    settings: tuple[str, ...] = ("clients_per_round", "batch_size", "local_steps")
+    kind: str = "traced"
+    shown: str | None = None
+    natural: Callable[[Any], bool] | None = None
+
+    def method(
+        self,
+        loss: LossFn,
+        rates: Mapping[str, Callable[..., Any]],
+        *,
+        grid: Any = None,
+        options: Mapping[str, Any] | None = None,
+        **settings,
+    ) -> Method:
+        """The :class:`Method` of this row in a study.
+
+        Args:
+          loss: the study's loss.
+          rates: the study's rate rules (must hold every rule of ``self.rates``).
+          grid: the study's grid of ``hyper`` (default ``self.grid``): a tuple or list is
+            chosen by CV, a single value is fixed.
+          options: further factory keywords of this study (override ``settings``).
+          **settings: the study-wide settings; those in ``self.settings`` are passed.
+
+        Raises:
+          ValueError: a rule is missing from ``rates``; an unknown ``kind``.
+        """
+        missing = sorted(set(self.rates.values()) - set(rates))
+        if missing:
+            raise ValueError(
+                f"{self.name} needs the rate rule(s) {missing}; rates has {sorted(rates)}"
+            )
+        if self.kind not in GRID_KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {GRID_KINDS}, got {self.kind!r}")
+        fixed = {k: settings[k] for k in self.settings if k in settings} | dict(options or {})
+        make = functools.partial(_build, self, loss, rates, fixed)
+        grid = self.grid if grid is None else grid
+        if self.hyper is None:
+            return Method(make)
+        if not isinstance(grid, tuple | list):  # a fixed value
+            return Method(functools.partial(make, **{self.hyper: grid}))
+        shown, hyper = self.shown or self.hyper, self.hyper
+        if self.kind == "choice":
+            natural = self.natural or (lambda c: c == 1)
+            return Method(make, **choice_grid(hyper, grid, natural=natural))
+        natural = None if self.natural is None else (lambda p: self.natural(p[hyper]))
+        if self.kind == "static":
+            label = lambda p: f"{shown}={_text(p[hyper])}"
+            static = [{hyper: v} for v in grid]
+            return Method(make, static_grid=static, label=label, natural=natural)
+        return Method(make, **scalar_grid(hyper, grid, shown=shown), natural=natural)
+
+
+def _text(value) -> str:
+    """A grid value in a label: integers as they are, other numbers to 3 digits."""
+    return str(value) if isinstance(value, int | np.integer) else f"{value:.3g}"
+
+
+def _build(row: MethodRow, loss, rates, fixed, /, **given) -> Algorithm:
+    """``row``'s algorithm for one member and grid point; ``given`` holds the member
+    arguments and the point (traced or static), under any names (``rates`` included)."""
+    kw = dict(fixed)
+    if row.hyper is not None:
+        kw[row.hyper] = given[row.hyper]
+    kw |= {key: given[name] for key, name in row.members.items() if name in given}
+    kw |= {key: rates[rule](**given) for key, rule in row.rates.items()}
+    return row.factory(loss, **kw)
+
+
+def _clustered_on_D(loss, *, labels, k, **kw) -> Algorithm:
+    """:func:`~karula_jax.algorithms.clustered_fedavg` on the ``k``-th clustering of
+    the member's labels ``[choices, n]`` (``k`` traced)."""
+    return A.clustered_fedavg(loss, labels[k], **kw)
+
+
+_COMMON = ("clients_per_round", "batch_size")
+_D = {"D": "D"}
+# The built-in methods, in the order of the studies' tables. Default grids: the synthetic
+# study's (results/synthetic/README.md).
+_ROWS = (
+    MethodRow("Local", A.local, rates={"learning_rate": "local"}, settings=_COMMON),
+    MethodRow("FedSGD", A.fedsgd, rates={"learning_rate": "fedsgd"}, settings=_COMMON),
+    MethodRow("FedAvg", A.fedavg),
+    MethodRow(
+        "IFCA",
+        A.ifca,
+        hyper="num_clusters",
+        grid=(1, 2, 3, 4, 5),
+        rates={"learning_rate": "ifca"},
+        members={"initial_clusters": "clusters"},
+        kind="static",
+        shown="k",
+        natural=lambda k: k == 1,
+    ),
+    MethodRow(
+        "pFedMe",
+        A.pfedme,
+        hyper="lam",
+        grid=tuple(float(x) for x in np.geomspace(0.01, 1.0, 5)),
+        rates={"learning_rate": "pfedme", "personal_learning_rate": "pfedme_personal"},
+        shown="lambda",
+    ),
+    MethodRow(
+        "Karula",
+        A.karula,
+        hyper="t",
+        grid=(2.0, 4.0, 8.0, 16.0, 32.0),
+        rates={"learning_rate": "karula"},
+        members=_D,
+        settings=_COMMON,
+    ),
+    MethodRow("FedProx", A.fedprox, hyper="mu", grid=(0.01, 0.1, 1.0, 10.0)),
+    MethodRow("SCAFFOLD", A.scaffold),
+    MethodRow(
+        "Ditto",
+        A.ditto,
+        hyper="lam",
+        grid=(0.01, 0.1, 1.0, 10.0),
+        rates={"learning_rate": "fedavg", "personal_learning_rate": "ditto_personal"},
+    ),
+    MethodRow(
+        "Laplacian penalty on D",
+        A.laplacian_penalty,
+        hyper="mu",
+        grid=(1e-3, 1e-2, 0.1, 1.0, 10.0),
+        rates={"learning_rate": "penalty", "mu": "penalty_mu"},
+        members=_D,
+        settings=_COMMON,
+        shown="mu/L_f",
+    ),
+    MethodRow(
+        "Clustered FedAvg on D",
+        _clustered_on_D,
+        hyper="k",
+        grid=(1, 2, 3, 4, 5),
+        members={"labels": "labels"},
+        kind="choice",
+    ),
+)
+REGISTRY: dict[str, MethodRow] = {row.name: row for row in _ROWS}
+# The built-in methods' names, in the registry's order.
+SUITE: tuple[str, ...] = tuple(REGISTRY)
+
+
+def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
+    """Adds ``row`` to :data:`REGISTRY` (``replace``: over a row of the same name).
+
+    Raises:
+      ValueError: a row named ``row.name`` exists and not ``replace``.
+    """
+    if row.name in REGISTRY and not replace:
+        raise ValueError(f"a method named {row.name!r} is registered; pass replace=True")
+    REGISTRY[row.name] = row
+    return row
+
+
+def build_methods(
+    names: Sequence[str],
+    *,
+    loss: LossFn,
+    rates: Mapping[str, Callable[..., Any]],
+    grids: Mapping[str, Any] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    registry: Mapping[str, MethodRow] | None = None,
+    **settings,
+) -> dict[str, Method]:
+    """The :class:`Method` of every method in ``names``, from its registry row.
+
+    A method's ``make`` receives the member arguments (e.g. ``D [n, n]``; ``labels
+    [choices, n]``, the clients' groups per choice of the clustered FedAvg; optional
+    ``clusters``, IFCA's initial cluster models; the constants its rate rules read) and
+    its grid point.
+
+    Args:
+      names: registered method names, in the order of the result.
+      loss: the loss of every method.
+      rates: the study's rate rules (:mod:`karula_jax.protocol.rates`), at least those
+        the rows of ``names`` read.
+      grids: ``{name: grid}``, the study's grids (a tuple: chosen by CV; a single value:
+        fixed); a method without an entry takes its row's default.
+      options: ``{name: {keyword: value}}``, further factory keywords per method (e.g.
+        Karula's ``projection_tol``, pFedMe's ``inner_steps``, a ``personalized`` mask).
+      registry: the rows to build from (default :data:`REGISTRY`).
+      **settings: study-wide factory keywords (``clients_per_round``, ``batch_size``,
+        ``local_steps``); each method takes those its row lists.
+
+    Returns:
+      ``{name: Method}``.
+
+    Raises:
+      ValueError: a name is not registered; a row's rate rule is missing from ``rates``.
+    """
+    registry = REGISTRY if registry is None else registry
+    grids, options = grids or {}, options or {}
+    unknown = [name for name in [*names, *grids, *options] if name not in registry]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; registered: {list(registry)}")
+    return {
+        name: registry[name].method(
+            loss, rates, grid=grids.get(name), options=options.get(name), **settings
+        )
+        for name in names
+    }

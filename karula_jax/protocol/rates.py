@@ -1,0 +1,176 @@
+"""Step-size rules of a study: each method's steps from the smoothness of its data.
+
+A registry row (:mod:`karula_jax.protocol.methods`) names the rules its factory reads
+(``{"learning_rate": "fedavg"}``); a study supplies them as ``rates``, a mapping from rule
+name to ``rule(**member_kwargs, **grid_point) -> value``, evaluated per member and grid
+point (traced). :func:`smoothness_rates` gives every built-in rule from the constants of
+:func:`smoothness_constants`; :func:`default_rates` and :func:`member_default_rates`
+give each method's own default step, from every client's ``L_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from karula_jax import algorithms as A
+from karula_jax._checks import check_nonnegative
+from karula_jax._smoothness import linear_smoothness
+from karula_jax.algorithms.base import LossFn
+from karula_jax.data.clients import ClientData, client_weights
+
+__all__ = [
+    "default_rates",
+    "member_default_rates",
+    "smoothness_constants",
+    "smoothness_rates",
+]
+
+
+def smoothness_rates(
+    *, karula: float, fedavg: float, ifca: float, personal: float, num_clients: int
+) -> dict[str, Callable[..., Any]]:
+    """Rate rules ``rate / L`` from the member arguments ``L_f`` and ``L_max``
+    (:func:`smoothness_constants`).
+
+    ``local``, ``karula`` and ``penalty`` (the Laplacian penalty's step): ``karula / L_f``;
+    ``fedsgd``: ``karula / (n L_f)``; ``fedavg`` (the FedAvg family): ``fedavg / L_max``;
+    ``ifca``: ``ifca / L_max``; ``pfedme``: ``personal / L_env`` with
+    ``L_env = lam L_max / (lam + L_max)`` (its Moreau envelope's smoothness) and
+    ``pfedme_personal``: ``1 / (L_max + lam)``; ``ditto_personal``: ``personal / L_max``;
+    ``penalty_mu``: the penalty's ``mu``, its grid value times ``L_f``.
+
+    Args:
+      karula, fedavg, ifca, personal: the dimensionless factors above.
+      num_clients: ``n``.
+
+    Returns:
+      ``{rule name: rule(**member_kwargs, **grid_point)}``.
+    """
+    return {
+        "local": lambda L_f, **_: karula / L_f,
+        "fedsgd": lambda L_f, **_: karula / (num_clients * L_f),
+        "fedavg": lambda L_max, **_: fedavg / L_max,
+        "ifca": lambda L_max, **_: ifca / L_max,
+        "pfedme": lambda L_max, lam, **_: personal / (lam * L_max / (lam + L_max)),
+        "pfedme_personal": lambda L_max, lam, **_: 1 / (L_max + lam),
+        "karula": lambda L_f, **_: karula / L_f,
+        "penalty": lambda L_f, **_: karula / L_f,
+        "ditto_personal": lambda L_max, **_: personal / L_max,
+        "penalty_mu": lambda L_f, mu, **_: mu * L_f,
+    }
+
+
+def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int, *, key):
+    """Each method's own default step on one data set, from every client's ``L_i``.
+
+    ``L_i`` as ``karula(learning_rate=None)`` resolves it
+    (:func:`karula_jax.algorithms.client_smoothness`: the loss's own constants, else power
+    iteration with Hessian-vector products at ``params``, times 2). With
+    ``a_i = alpha_i L_i``:
+
+    * ``karula``: :func:`karula_jax.algorithms.karula_learning_rate` without coupling,
+      Karula's default at ``t = inf`` (``karula(learning_rate=None)`` adds the coupling
+      of its ``t`` and ``D``, which this function does not know);
+    * ``local``: ``n / max_i a_i``, half the limit of the steps ``eta a_i / n`` of
+      :func:`karula_jax.algorithms.local` (as Karula's rule with ``s = n``);
+    * ``fedavg``: ``1 / max_i L_i``, half the gradient-descent limit on the worst client's
+      mean loss, for the FedAvg family's local steps.
+
+    Returns:
+      ``{"karula", "local", "fedavg": float}``.
+    """
+    L_i = A.client_smoothness(loss, params, data, key=key)
+    alpha = client_weights(data.counts)
+    a = np.asarray(alpha * L_i, np.float64)
+    karula = A.karula_learning_rate(L_i, alpha, clients_per_round)
+    n = data.num_clients
+    return {"karula": float(karula), "local": n / a.max(), "fedavg": 1.0 / float(L_i.max())}
+
+
+def _fits(loss: LossFn, params, data: ClientData) -> bool:
+    """Whether ``loss(params, x, y, mask)`` can be evaluated on one client of ``data``."""
+    x = jax.ShapeDtypeStruct(data.x.shape[1:], data.x.dtype)
+    y = jax.ShapeDtypeStruct(data.y.shape[1:], data.y.dtype)
+    mask = jax.ShapeDtypeStruct(data.x.shape[1:2], jnp.bool_)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+    try:
+        jax.eval_shape(loss, spec, x, y, mask)
+    except Exception:  # noqa: BLE001 - any failure means "does not fit"
+        return False
+    return True
+
+
+def member_default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int, keys):
+    """:func:`default_rates` of every member.
+
+    Args:
+      loss: the loss of every member.
+      params: one model for every member (no member axis), or one model per member,
+        leaves ``[B, ...]``; one model is used for every member, as if stacked.
+      data: members' data, leaves ``[B, n, N, ...]``.
+      clients_per_round: ``s`` of every member.
+      keys: stacked keys ``[B]``.
+
+    Returns:
+      ``{name: float64 array [B]}``.
+
+    Raises:
+      ValueError: ``params`` fit the data neither as one model nor as ``[B, ...]`` models.
+    """
+    num = len(keys)
+    at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+    leaves = jax.tree.leaves(params)
+    first = at(data, 0)
+    stacked = all(jnp.ndim(a) >= 1 and jnp.shape(a)[0] == num for a in leaves)
+    if stacked and _fits(loss, at(params, 0), first):
+        member_params = lambda b: at(params, b)
+    elif _fits(loss, params, first):  # one model: every member starts from it
+        member_params = lambda b: params
+    else:
+        shapes = jax.tree.map(lambda a: tuple(jnp.shape(a)), params)
+        raise ValueError(
+            f"params do not fit the data, neither as one model nor as {num} stacked models "
+            f"[B={num}, ...]: params of shapes {shapes}, one client's x of shape "
+            f"{first.x.shape[1:]}"
+        )
+    rates = [
+        default_rates(loss, member_params(b), at(data, b), clients_per_round, key=keys[b])
+        for b in range(num)
+    ]
+    return {k: np.array([r[k] for r in rates]) for k in rates[0]}
+
+
+def smoothness_constants(
+    train: ClientData, lam: float, *, logistic: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Smoothness of every member's losses: ``L_f = max_i alpha_i L_i / n`` and ``max_i L_i``.
+
+    ``L_i`` is the closed form of :func:`karula_jax.models.ridge_smoothness` (ridge:
+    ``lambda_max(X_i^T X_i / N_i) + lam``) or, with ``logistic``, of
+    :func:`karula_jax.models.logistic_smoothness` (``lambda_max(Z_i^T Z_i / (4 N_i)) +
+    lam`` with ``Z_i = [X_i, 1]``), in float64; ``L_f`` is
+    :func:`karula_jax.algorithms.lipschitz_ridge`'s product-space constant.
+
+    Args:
+      train: members' data, leaves ``[B, n, N, ...]`` with ``x`` of shape ``[B, n, N, d]``.
+      lam: the L2 penalty of the loss, ``>= 0``.
+      logistic: the logistic loss instead of ridge.
+
+    Returns:
+      ``(L_f, L_max)``, float64 arrays ``[B]``.
+    """
+    check_nonnegative("lam", lam)
+    out = []
+    for b in range(train.counts.shape[0]):
+        d = ClientData(*(np.asarray(a[b]) for a in train))
+        curvature = 0.25 if logistic else 1.0
+        L_i = linear_smoothness(d, lam, intercept=logistic, curvature=curvature, float64=True)
+        alpha = np.asarray(client_weights(d.counts), np.float64)
+        n = d.num_clients
+        out.append([float(np.max(alpha * L_i)) / n, float(np.max(L_i))])
+    return tuple(np.asarray(out).T)
