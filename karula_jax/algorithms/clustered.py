@@ -7,11 +7,15 @@ runs FedAvg inside each group. Both are ablations of Karula that use the same ``
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.cluster.hierarchy import cut_tree, linkage
+from scipy.cluster.vq import kmeans2
+from scipy.spatial.distance import squareform
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._graph import check_dissimilarity, weights_numpy
@@ -34,88 +38,50 @@ def _canonical(labels: np.ndarray) -> np.ndarray:
     return order[inverse].astype(np.int32)
 
 
-def _average_linkage(D, k: int) -> np.ndarray:
-    """Average-linkage (UPGMA) agglomerative clustering of ``D`` cut at ``k`` groups.
+def _average_linkage(d: np.ndarray, k: int) -> np.ndarray:
+    """Average-linkage (UPGMA) agglomerative clustering of ``d`` cut at ``k`` groups.
 
-    Starts from singletons and repeatedly merges the two groups with the smallest average
-    dissimilarity ``d(A, B) = mean_{i in A, j in B} D_ij`` (Lance-Williams update
-    ``d(A u B, C) = (|A| d(A, C) + |B| d(B, C)) / (|A| + |B|)``) until ``k`` remain.
-    Ties go to the pair with the lowest indices. ``inf`` entries are allowed: groups at
-    infinite distance merge last. O(n^3) time, O(n^2) memory, in numpy.
+    :func:`scipy.cluster.hierarchy.linkage` (``method="average"``: merge the two groups
+    of smallest mean dissimilarity) and :func:`~scipy.cluster.hierarchy.cut_tree` at
+    exactly ``k`` groups. Infinite entries merge last: they are replaced by a finite value
+    above every average of finite entries (after dividing ``d`` by its largest finite
+    entry), so groups at infinite distance join only when nothing else is left.
 
     Args:
-      D: dissimilarities ``[n, n]``, symmetric, ``>= 0``, no NaN.
+      d: float64 dissimilarities ``[n, n]``, symmetric, ``>= 0``, no NaN, ``n >= 2``.
       k: number of groups, ``1 <= k <= n``.
 
     Returns:
       int32 labels of shape ``[n]`` in ``0..k-1``, numbered by first appearance.
     """
-    d = np.array(D, dtype=np.float64)
     n = d.shape[0]
-    np.fill_diagonal(d, np.inf)
-    size = np.ones(n)
-    alive = np.ones(n, bool)
-    labels = np.arange(n)
-    for _ in range(n - k):
-        masked = np.where(alive[:, None] & alive[None, :], d, np.inf)
-        np.fill_diagonal(masked, np.inf)
-        flat = int(np.argmin(masked))
-        a, b = divmod(flat, n)
-        if not np.isfinite(masked[a, b]):  # only infinite distances left: merge any two
-            live = np.flatnonzero(alive)
-            a, b = int(live[0]), int(live[1])
-        a, b = min(a, b), max(a, b)
-        with np.errstate(invalid="ignore"):
-            merged = (size[a] * d[a] + size[b] * d[b]) / (size[a] + size[b])
-        merged = np.where(np.isnan(merged), np.inf, merged)
-        d[a, :], d[:, a] = merged, merged
-        d[a, a] = np.inf
-        size[a] += size[b]
-        alive[b] = False
-        labels[labels == b] = a
-    return _canonical(labels)
+    if not np.all(np.isfinite(d)):
+        finite = d[np.isfinite(d)]
+        top = finite.max() if finite.size and finite.max() > 0 else 1.0
+        # a group pair with an infinite pair averages > (n^2 + 1) / (n^2 / 4) > 1 >= any
+        # average of finite (scaled) entries
+        d = np.where(np.isfinite(d), d / top, float(n * n + 1))
+    Z = linkage(squareform(d, checks=False), method="average")
+    return _canonical(cut_tree(Z, n_clusters=k)[:, 0])
 
 
-def _kmeans_pp(X: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding: indices of ``k`` distinct rows of ``X``."""
-    n = X.shape[0]
-    chosen = [int(rng.integers(n))]
-    d2 = ((X - X[chosen[0]]) ** 2).sum(1)
-    for _ in range(1, k):
-        p = np.where(np.isin(np.arange(n), chosen), 0.0, d2)
-        if p.sum() <= 0:  # every remaining row coincides with a center
-            p = np.where(np.isin(np.arange(n), chosen), 0.0, 1.0)
-        c = int(rng.choice(n, p=p / p.sum()))
-        chosen.append(c)
-        d2 = np.minimum(d2, ((X - X[c]) ** 2).sum(1))
-    return np.asarray(chosen)
-
-
-def _lloyd(X: np.ndarray, centers: np.ndarray, max_iter: int) -> tuple[np.ndarray, float]:
-    """Lloyd iterations; an emptied cluster takes the row farthest from its center among
-    clusters with two rows or more, so every cluster stays nonempty. Returns
-    ``(labels, inertia)``."""
-    k = centers.shape[0]
-    labels = None
-    for _ in range(max_iter):
-        dist = ((X[:, None] - centers[None]) ** 2).sum(-1)
-        new = np.argmin(dist, axis=1)
-        for c in range(k):
-            if not np.any(new == c):
-                counts = np.bincount(new, minlength=k)
-                own = dist[np.arange(len(X)), new]
-                own = np.where(counts[new] > 1, own, -1.0)
-                new[int(np.argmax(own))] = c
-        if labels is not None and np.array_equal(new, labels):
-            break
-        labels = new
-        centers = np.stack([X[labels == c].mean(0) for c in range(k)])
-    inertia = float(((X - centers[labels]) ** 2).sum())
-    return labels, inertia
+def _fill_empty(X: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """``labels`` with every empty cluster given the row farthest from its cluster's
+    mean, among clusters with two rows or more (k-means can empty a cluster)."""
+    labels = labels.copy()
+    for c in range(k):
+        if np.any(labels == c):
+            continue
+        counts = np.bincount(labels, minlength=k)
+        centers = np.stack([X[labels == j].mean(0) if counts[j] else X[0] for j in range(k)])
+        own = ((X - centers[labels]) ** 2).sum(1)
+        labels[int(np.argmax(np.where(counts[labels] > 1, own, -1.0)))] = c
+    return labels
 
 
 def _spectral(D, k: int, seed: int, restarts: int, max_iter: int) -> np.ndarray:
-    """Normalized spectral clustering (Ng, Jordan and Weiss 2002) of ``D``."""
+    """Normalized spectral clustering (Ng, Jordan and Weiss 2002) of ``D``, with the
+    k-means of :func:`scipy.cluster.vq.kmeans2` (k-means++ seeding)."""
     W = weights_numpy(D)
     deg = W.sum(1)
     inv_sqrt = np.where(deg > 0, 1.0 / np.sqrt(np.where(deg > 0, deg, 1.0)), 0.0)
@@ -127,8 +93,14 @@ def _spectral(D, k: int, seed: int, restarts: int, max_iter: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     best, best_inertia = None, np.inf
     for _ in range(restarts):
-        centers = X[_kmeans_pp(X, k, rng)]
-        labels, inertia = _lloyd(X, centers, max_iter)
+        # rows that coincide leave k-means++ without a distinct row to seed from and can
+        # empty a cluster: scipy warns, _fill_empty repairs
+        with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+            warnings.simplefilter("ignore", UserWarning)
+            _, labels = kmeans2(X, k, iter=max_iter, minit="++", seed=rng, missing="warn")
+        labels = _fill_empty(X, labels, k)
+        centers = np.stack([X[labels == c].mean(0) for c in range(k)])
+        inertia = float(((X - centers[labels]) ** 2).sum())
         if best is None or inertia < best_inertia * (1 - 1e-12):
             best, best_inertia = labels, inertia
     return _canonical(best)
@@ -142,13 +114,16 @@ def cluster_clients(
     * ``"spectral"`` (default): affinity ``W = graph_weights(D)`` (``exp(-D_ij /
       median D)``, 0 for ``D_ij = inf``), normalized Laplacian ``I - Deg^{-1/2} W
       Deg^{-1/2}``, its ``k`` eigenvectors of smallest eigenvalue as an ``[n, k]``
-      embedding with rows scaled to unit norm, then k-means on the rows (k-means++ seeding
-      from ``numpy.random.default_rng(seed)``, ``restarts`` runs, the lowest inertia kept;
-      no cluster is left empty). Deterministic for a given ``seed``.
+      embedding with rows scaled to unit norm, then k-means on the rows
+      (:func:`scipy.cluster.vq.kmeans2`, k-means++ seeding from
+      ``numpy.random.default_rng(seed)``, ``restarts`` runs, the lowest inertia kept; an
+      emptied cluster takes the row farthest from its center, so none is left empty).
+      Deterministic for a given ``seed``.
     * ``"agglomerative"``: average linkage on ``D`` cut at ``k`` groups
-      (UPGMA: merge the two groups of smallest mean ``D_ij``; deterministic).
+      (:func:`scipy.cluster.hierarchy.linkage`, UPGMA: merge the two groups of smallest
+      mean ``D_ij``; infinite entries merge last; deterministic).
 
-    Runs once before training, in numpy (not under ``jit``).
+    Runs once before training, in numpy and scipy (not under ``jit``).
 
     Args:
       D: dissimilarities, array ``[n, n]``: symmetric, ``>= 0``, no NaN, may contain
