@@ -258,6 +258,9 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
         build_methods(("Nope",), loss=loss, rates=rates, **local)
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['Karul'\]"):
         build_methods(("Karula",), loss=loss, rates=rates, grids={"Karul": (1.0,)}, **local)
+    bare = MethodRow("Bare", _damped_local, hyper="damping", rates={"learning_rate": "local"})
+    with pytest.raises(ValueError, match="Bare: no grid or value of damping"):
+        build_methods(("Bare",), loss=loss, rates=rates, registry={"Bare": bare})
     with pytest.raises(ValueError, match=r"Ditto needs the rate rule\(s\) \['ditto_personal'\]"):
         build_methods(("Ditto",), loss=loss, rates={"fedavg": rates["fedavg"]}, **local)
 

@@ -126,10 +126,12 @@ class MethodRow(NamedTuple):
       rates: ``{factory keyword: rule name}``; the study's ``rates[rule]`` is evaluated
         as ``rule(**member_kwargs, **grid_point)`` per member and grid point and
         overrides ``hyper`` when both name the same keyword (e.g. the penalty's ``mu``).
+        Default: the FedAvg family's step, ``{"learning_rate": "fedavg"}``.
       members: ``{factory keyword: member argument}`` the factory reads per member (e.g.
         ``{"D": "D"}``); a member argument the study does not give is not passed.
       settings: the study-wide settings the factory takes, among the keywords of
-        :func:`build_methods` (``clients_per_round``, ``batch_size``, ``local_steps``).
+        :func:`build_methods`. Default: ``clients_per_round``, ``batch_size`` and
+        ``local_steps`` (the FedAvg family's).
       kind: how the grid runs (:data:`GRID_KINDS`): ``"traced"`` (float32 values, one
         compiled program), ``"static"`` (Python values, one compilation each, e.g. a
         number of clusters that fixes shapes) or ``"choice"`` (the factory receives the
@@ -170,7 +172,8 @@ class MethodRow(NamedTuple):
           **settings: the study-wide settings; those in ``self.settings`` are passed.
 
         Raises:
-          ValueError: a rule is missing from ``rates``; an unknown ``kind``.
+          ValueError: a rule is missing from ``rates``; an unknown ``kind``; ``hyper``
+            without a grid here or in the row.
         """
         missing = sorted(set(self.rates.values()) - set(rates))
         if missing:
@@ -184,6 +187,8 @@ class MethodRow(NamedTuple):
         grid = self.grid if grid is None else grid
         if self.hyper is None:
             return Method(make)
+        if grid is None:
+            raise ValueError(f"{self.name}: no grid or value of {self.hyper} (row or study)")
         if not isinstance(grid, tuple | list):  # a fixed value
             return Method(functools.partial(make, **{self.hyper: grid}))
         shown, hyper = self.shown or self.hyper, self.hyper
