@@ -75,3 +75,37 @@ def test_batched_calls_reach_lapack_one_matrix_at_a_time():
     # the plain jnp call is batched: the check above can fail
     txt = jax.jit(jax.vmap(jnp.linalg.inv)).lower(a[0]).compile().as_text()
     assert any("f32[8,30,30]" in line for line in _lapack_lines(txt))
+
+
+def _dominant(shape, seed=0):
+    """A positive diagonal plus a graph Laplacian (the projection's ``M + L_lam``)."""
+    rng = np.random.default_rng(seed)
+    n = shape[-1]
+    w = np.triu(rng.uniform(0, 5, size=shape) * (rng.uniform(size=shape) < 0.5), 1)
+    w = w + np.swapaxes(w, -1, -2)
+    mass = rng.uniform(1, 3, size=shape[:-1])
+    return (np.eye(n) * (mass + w.sum(-1))[..., None] - w).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 30, 101])
+def test_inv_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
+    a = _dominant((2, 3, n, n), seed=n)
+    ref = np.linalg.inv(a.astype(np.float64))
+    tol = dict(rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(_linalg.inv_dominant(a[0, 0]), ref[0, 0], **tol)
+    np.testing.assert_allclose(_linalg.inv_dominant(a), ref, **tol)
+    np.testing.assert_allclose(jax.jit(jax.vmap(jax.vmap(_linalg.inv_dominant)))(a), ref, **tol)
+    # a non-symmetric, row-dominant matrix too (no symmetry is assumed)
+    b = a[0, 0] + np.triu(np.full((n, n), 0.1 / n, np.float32), 1)
+    np.testing.assert_allclose(
+        _linalg.inv_dominant(b), np.linalg.inv(b.astype(np.float64)), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_inv_dominant_calls_no_lapack_and_checks_its_shape():
+    a = _dominant((4, 30, 30))
+    txt = jax.jit(jax.vmap(_linalg.inv_dominant)).lower(a).compile().as_text()
+    if jax.default_backend() == "cpu":
+        assert not _lapack_lines(txt)
+    with pytest.raises(ValueError, match="square"):
+        _linalg.inv_dominant(jnp.ones((3, 4)))

@@ -47,7 +47,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     tiny = jnp.finfo(red.w.dtype).tiny
     eps = jnp.finfo(red.w.dtype).eps
     lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
-    evaluate = functools.partial(dual_eval, red=red, gram=gram)
+    # Inside the loop distances come from the Gram matrix (cheap); the final certificate
+    # and the restoration measure them exactly (below ``_GRAM_ABOVE`` clients).
+    evaluate = functools.partial(dual_eval, red=red, gram=True)
     pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
 
     def kkt(lam, ev):
@@ -91,15 +93,17 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             return new, ev_new, ok
 
         def cond(c):
-            return (~c[3]) & (c[4] < 30) & running
+            return (~c[3]) & (c[4] < 31) & running
 
         def body(c):
             alpha = 0.5 * c[0]
             new, ev_new, ok = trial(alpha)
             return alpha, new, ev_new, ok, c[4] + 1
 
-        new, ev_new, ok = trial(1.0)
-        out = jax.lax.while_loop(cond, body, (1.0, new, ev_new, ok, 0))
+        # The first trial (alpha = 1) runs inside the loop too, so that a member that is
+        # not ``running`` evaluates nothing (under vmap a call outside the loop would run
+        # for every member, also where its result is dropped).
+        out = jax.lax.while_loop(cond, body, (2.0, lam, ev, jnp.array(False), 0))
         return out[1], out[2], out[3]
 
     def cond(c):
@@ -128,7 +132,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
     init = (lam0, ev, delta, jnp.int32(0), should_stop(delta, red, tol) | skip, jnp.array(True))
     lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
-    th, delta = restore_and_certify(ev.th, evaluate(lam, certify=True).g, red)
+    th, delta = restore_and_certify(ev.th, dual_eval(lam, red, gram=gram, certify=True).g, red)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
