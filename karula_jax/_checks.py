@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ __all__ = [
     "check_floating_dtype",
     "check_key",
     "check_nonnegative",
+    "check_personalized",
     "check_positive",
     "check_positive_int",
     "check_real_array",
@@ -49,6 +51,7 @@ __all__ = [
     "defer",
     "deferred_checks",
     "is_concrete",
+    "personalized_flags",
 ]
 
 # The open deferred_checks blocks of this thread, innermost last: (trace, found).
@@ -292,3 +295,50 @@ def check_bool_leaves(name: str, tree) -> list[bool]:
             raise TypeError(f"{name}: expected Python bools as leaves, got {type(flag).__name__}")
         flags.append(bool(flag))
     return flags
+
+
+def check_personalized(personalized: Any) -> None:
+    """Check of ``personalized``: a Python bool or a pytree of bools, True = a per-client
+    leaf (the meaning of ``karula_jax.algorithms._personalized``). Its structure is checked
+    against the model by :func:`personalized_flags` (at ``init`` in a factory).
+
+    Raises:
+      ValueError: ``personalized`` is None.
+      TypeError: a leaf is not a Python (or numpy) bool.
+    """
+    if personalized is None:
+        raise ValueError(
+            "personalized=None is not accepted (it meant every leaf in some methods and no "
+            "leaf in others): pass True (every leaf per client), False (every leaf shared) "
+            "or a pytree of bools shaped like params (True = per client)"
+        )
+    check_bool_leaves("personalized", personalized)
+
+
+def personalized_flags(personalized: Any, params: Any) -> Any:
+    """``personalized`` as a pytree of Python bools with the structure of ``params``.
+
+    Args:
+      personalized: a bool or a pytree of bools (see the module docstring).
+      params: any pytree shaped like one client's model (leaves of any shape; a
+        client-stacked tree has the same structure).
+
+    Returns:
+      A pytree with the structure of ``params`` whose leaves are Python bools, True on
+      the per-client leaves.
+
+    Raises:
+      ValueError: ``personalized`` is None, or a pytree of another structure than
+        ``params``.
+      TypeError: a leaf of ``personalized`` is not a bool.
+    """
+    check_personalized(personalized)
+    if isinstance(personalized, bool | np.bool_):
+        return jax.tree.map(lambda _: bool(personalized), params)
+    want, got = jax.tree.structure(params), jax.tree.structure(personalized)
+    if want != got:
+        raise ValueError(
+            f"personalized must have the tree structure of params {want}, got {got} "
+            "(or be True or False for every leaf)"
+        )
+    return jax.tree.map(bool, personalized)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax._checks import personalized_flags
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -338,17 +339,18 @@ def ridge_solutions(data: ClientData, lam: float) -> tuple[np.ndarray, np.ndarra
 # --------------------------------------------------------------------------- dissimilarities
 
 
-def pairwise_sq_distances(params: Any, personalized: Any = None) -> np.ndarray:
+def pairwise_sq_distances(params: Any, personalized: Any = True) -> np.ndarray:
     """``||theta_i - theta_j||^2`` between client models, ``[n, n]`` (numpy, float64).
 
     Args:
       params: client models, leaves ``[n, ...]``.
-      personalized: optional pytree of bools like one model: only the True leaves count.
+      personalized: True (every leaf counts) or a pytree of bools like ``params``: only
+        the True leaves count (the meaning of ``personalized`` in every factory).
     """
-    leaves = jax.tree.leaves(params)
-    if personalized is not None:
-        flags = jax.tree.leaves(personalized)
-        leaves = [a for a, f in zip(leaves, flags, strict=True) if f]
+    flags = jax.tree.leaves(personalized_flags(personalized, params))
+    leaves = [a for a, f in zip(jax.tree.leaves(params), flags, strict=True) if f]
+    if not leaves:
+        raise ValueError("personalized: no leaf is True, so there is no distance to measure")
     v = np.concatenate([np.asarray(a, np.float64).reshape(len(a), -1) for a in leaves], axis=1)
     return np.stack([np.sum((v - v_i) ** 2, axis=1) for v_i in v])
 

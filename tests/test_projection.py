@@ -563,3 +563,24 @@ def test_a_new_solver_is_one_function_and_one_registry_row(monkeypatch):
     scale = 0.5 * np.sum((v - v.mean(0)) ** 2)
     assert float(info.delta) >= subopt - 1e-9 * scale  # the gap certifies
     assert float(info.delta) > 1e-3 and not bool(info.converged)  # a shrink is not optimal
+
+
+def test_personalized_has_the_factories_meaning():
+    """True (the default) constrains every leaf, False shares every leaf (its mean), a
+    mask mixes them, None is refused as in every algorithm factory."""
+    v = {"a": jnp.asarray([[0.0, 0.0], [4.0, 0.0], [0.0, 3.0]]), "b": jnp.arange(6.0).reshape(3, 2)}
+    radii_sq = jnp.full((3, 3), 1.0)
+    default, _ = proj.project(v, radii_sq)
+    every, _ = proj.project(v, radii_sq, personalized={"a": True, "b": True})
+    chex.assert_trees_all_close(default, every)
+    shared, info = proj.project(v, radii_sq, personalized=False)
+    mean = jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), x.shape), v)
+    chex.assert_trees_all_close(shared, mean)
+    assert int(info.iterations) == 0
+    mixed, _ = proj.project(v, radii_sq, personalized={"a": True, "b": False})
+    np.testing.assert_allclose(mixed["b"], mean["b"])
+    assert _max_violation(mixed["a"], np.asarray(radii_sq)) <= 1e-5
+    with pytest.raises(ValueError, match="personalized=None is not accepted"):
+        proj.project(v, radii_sq, personalized=None)
+    with pytest.raises(ValueError, match="personalized=None is not accepted"):
+        proj.init_projection_state(v, personalized=None)

@@ -17,56 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
-from karula_jax._checks import check_bool_leaves
+from karula_jax._checks import check_personalized, personalized_flags
 
-__all__ = ["check_personalized", "personalized_flags", "shared_leaves"]
-
-
-def check_personalized(personalized: Any) -> None:
-    """Factory-time check of ``personalized`` (its structure is checked at ``init``).
-
-    Raises:
-      ValueError: ``personalized`` is None.
-      TypeError: a leaf is not a Python (or numpy) bool.
-    """
-    if personalized is None:
-        raise ValueError(
-            "personalized=None is not accepted (it meant every leaf in some methods and no "
-            "leaf in others): pass True (every leaf per client), False (every leaf shared) "
-            "or a pytree of bools shaped like params (True = per client)"
-        )
-    check_bool_leaves("personalized", personalized)
-
-
-def personalized_flags(personalized: Any, params: Any) -> Any:
-    """``personalized`` as a pytree of Python bools with the structure of ``params``.
-
-    Args:
-      personalized: a bool or a pytree of bools (see the module docstring).
-      params: any pytree shaped like one client's model (leaves of any shape; a
-        client-stacked tree has the same structure).
-
-    Returns:
-      A pytree with the structure of ``params`` whose leaves are Python bools, True on
-      the per-client leaves.
-
-    Raises:
-      ValueError: ``personalized`` is None, or a pytree of another structure than
-        ``params``.
-      TypeError: a leaf of ``personalized`` is not a bool.
-    """
-    check_personalized(personalized)
-    if isinstance(personalized, bool | np.bool_):
-        return jax.tree.map(lambda _: bool(personalized), params)
-    want, got = jax.tree.structure(params), jax.tree.structure(personalized)
-    if want != got:
-        raise ValueError(
-            f"personalized must have the tree structure of params {want}, got {got} "
-            "(or be True or False for every leaf)"
-        )
-    return jax.tree.map(bool, personalized)
+__all__ = ["check_personalized", "personalized_flags", "shared_leaves"]  # the first two: _checks
 
 
 def shared_leaves(personalized: Any, params: Any) -> Any:

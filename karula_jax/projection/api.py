@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax._checks import (
-    check_bool_leaves,
     check_positive,
     check_positive_int,
     is_concrete,
+    personalized_flags,
 )
 from karula_jax.projection.contract import ProjectionState
 from karula_jax.projection.reduction import client_mean, reduce_problem, sq_dists_exact
@@ -267,16 +267,7 @@ def _split(v, personalized):
     if not leaves:
         raise ValueError("v: expected a pytree with at least one array leaf, got none")
     _check_values(leaves)
-    if personalized is None:
-        mask = [True] * len(leaves)
-    else:
-        m_leaves, m_def = jax.tree.flatten(personalized)
-        if m_def != treedef:
-            raise ValueError(
-                "personalized: expected a pytree of bools with the same structure as v "
-                f"({treedef}), got {m_def}"
-            )
-        mask = check_bool_leaves("personalized", personalized)
+    mask = jax.tree.leaves(personalized_flags(personalized, v))
     n = None
     for leaf in leaves:
         shape = jnp.shape(leaf)
@@ -357,13 +348,13 @@ def _check_options(method, tol, max_iter) -> None:
     check_positive_int("max_iter", max_iter)
 
 
-def init_projection_state(v, radii_sq=None, *, personalized=None, method="auto"):
+def init_projection_state(v, radii_sq=None, *, personalized=True, method="auto"):
     """Zero dual state of the fixed shape that :func:`project` carries.
 
     Args:
       v: pytree of client-stacked leaves ``[n, ...]`` (only shapes are used).
       radii_sq: unused except for a shape check (may be None).
-      personalized: optional pytree of bools like ``v``.
+      personalized: True, False or a pytree of bools like ``v`` (as in :func:`project`).
       method: one of :data:`METHODS` (``"auto"``: see :func:`choose_method`).
 
     Returns:
@@ -388,7 +379,7 @@ def project(
     v,
     radii_sq,
     *,
-    personalized=None,
+    personalized=True,
     method: str = "auto",
     tol: float = 1e-6,
     max_iter: int = 500,
@@ -419,8 +410,10 @@ def project(
       v: pytree of arrays with a leading client axis ``[n, ...]``.
       radii_sq: array ``[n, n]``, squared radii ``t * D``: symmetric, ``>= 0``, ``inf``
         for no constraint; the diagonal is ignored. Zero radii merge clients exactly.
-      personalized: optional pytree of Python bools with the structure of ``v``
-        (True: constrained leaf; False: shared leaf, set to the mean). None: all True.
+      personalized: True (default: every leaf constrained), False (every leaf shared) or
+        a pytree of Python bools with the structure of ``v`` (True: constrained leaf;
+        False: shared leaf, set to the mean), the meaning it has in every algorithm
+        factory. None is refused.
       method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
         (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or ``"laplacian"`` (dual
         ascent on the ``n x n`` multipliers; for many clients); ``"auto"``: the first for
