@@ -2,11 +2,33 @@
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One on-disk compilation cache per test run, shared by the xdist workers (they inherit the
+# environment of the process that loads this file first): many tests compile the same
+# programs from new closures or after the per-module cache release below, and XLA:CPU's
+# compile time dominates the suite. Set KARULA_TEST_COMPILATION_CACHE=off to disable.
+_CACHE_VAR = "KARULA_TEST_COMPILATION_CACHE"
+_OWN_CACHE = None
+if os.environ.get(_CACHE_VAR) is None:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="karula-jax-test-cache-")
+    os.environ[_CACHE_VAR] = _OWN_CACHE
+if os.environ[_CACHE_VAR] != "off":
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    """The process that made the cache folder removes it at the end of the run."""
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = pathlib.Path(os.environ.get("KARULA_DATA_DIR", REPO.parent / "shared" / "data"))
