@@ -1,14 +1,14 @@
 """Karula: variance-reduced projected gradient over the Wasserstein-constrained set K.
 
-One round (DESIGN §4), with ``S`` the ``s`` participants and ``G_i`` the weighted
-stochastic gradient ``alpha_i * grad f_i(theta_i)`` of participant ``i``::
+One round, with ``S`` the ``s`` participants and ``G_i`` the weighted stochastic
+gradient ``alpha_i * grad f_i(theta_i)`` of participant ``i``::
 
     nu_i  = m_i / n + 1[i in S] (G_i - m_i) / s     (E_S[nu_i] = alpha_i grad f_i / n)
     m_i   = G_i                                       for i in S
     theta = P_K(theta - eta * nu)
 
 with ``K = {theta : ||theta_i - theta_j||^2 <= t D_ij for all i, j}``. The default step
-size (``learning_rate=None``) is derived in :func:`karula`'s docstring.
+size (``learning_rate=None``) and its derivation: ``docs/karula.md``.
 """
 
 from __future__ import annotations
@@ -89,84 +89,17 @@ def karula(
     * at ``t = inf`` (or ``D = inf``) with ``s = n`` one round equals :func:`local`
       at the same ``learning_rate`` (step ``alpha_i grad f_i / n`` per client).
 
-    Step size (``learning_rate=None``). Let ``L_i`` be the Lipschitz constant of
-    ``grad f_i``, ``a_i = alpha_i L_i``, ``L_max = max_i a_i``, ``Lbar = mean_i a_i``,
-    ``p = s / n``; the product-space constant is ``L = L_max / n``
-    (:func:`lipschitz_ridge`). Theorem 4.3's step is ``3 / (8 L_max)`` (its ``L`` bounds
-    the weighted losses ``alpha_i f_i``: ``learning_rate="theorem"``), ``n`` times smaller
-    than ``3 / (8 L)`` with the product-space ``L``, which can diverge with ``s < n`` and
-    weakly coupled clients. The rule (:func:`karula_learning_rate`)::
+    Step size (``learning_rate=None``): with ``a_i = alpha_i L_i``, ``L_max = max_i a_i``,
+    ``Lbar = mean_i a_i``, ``c = stability_factor(s / n)``, ``b =
+    consensus_stability_factor(n, s)`` and ``kappa`` the coupling of the constraints at
+    this ``t`` (:func:`karula_learning_rate`; rule, derivation and checks in
+    ``docs/karula.md``)::
 
-        c(p)   = 4 / ((2 - p) (1 + sqrt(1 + 8 (1 - p) / (2 - p))))   in [0.618, 2]
-        free   = s c(p) / (2 L_max)
-        tied   = max(n b(n, s) / (2 L_F(s)), free)
+        free   = s c / (2 L_max)
+        tied   = max(n b / (2 L_F(s)), free)
         L_F(s) = (n (s - 1) Lbar + (n - s) L_max) / (s (n - 1))      (Lbar if s = n)
         eta    = tied                                                every radius 0
         eta    = min(tied, free / (1 - kappa))  (tied if kappa >= 1) else
-
-    with ``kappa`` the coupling of the constraints at this ``t`` (case 3). With
-    ``s = n``: ``free = 1 / L`` and ``tied = n / Lbar``. For n = 30, s = 10, ``free`` is
-    ``0.35 * 3/(8L)``.
-
-    Derivation. Karula is minibatch SAGA on the product space, ``f = (1/n) sum_i F_i``
-    with ``F_i(theta) = alpha_i f_i(theta_i)``, ``s`` of ``n`` components sampled
-    without replacement, then a projection (nonexpansive). Its expected smoothness
-    (Gazagnadou, Gower and Salmon, 2019: ``n(s-1)/(s(n-1)) L + (n-s)/(s(n-1)) L_max``)
-    is ``L_max / s`` here, as the blocks are separate: a fresh gradient weighs ``1/s``,
-    not ``1/n``, and the memory ``m_i / n`` acts every round.
-
-    1. Uncoupled clients (``t = inf``). Along an eigenvector of a quadratic ``f_i``
-       (curvature ``a = a_i``), with ``m_i = a phi`` (``phi``: where client ``i`` was
-       last sampled), a round is ``theta <- theta - (eta a / n) phi`` with
-       probability ``1 - p`` and ``theta <- (1 - eta a / s) theta +
-       eta a (1/s - 1/n) phi``, ``phi <- theta`` with probability ``p``. The second
-       moments of ``(theta, phi)`` follow a linear recursion whose spectral radius
-       reaches 1 where
-       ``(2 - p)(1 - p) c^2 + (2 - p) c - 2 = 0``, ``c = eta a / s``: mean-square stable
-       iff ``eta a_i < s c(p)`` for every ``i``, i.e. ``eta < c(p) / (L_max / s)``.
-       ``free`` takes half, like ``1 / L`` for gradient descent (``c(1) = 2``); at
-       ``s = 1`` it is 0.31 to 0.35 over ``L_max``, near SAGA's ``1 / (3 L_max)``.
-    2. Every radius 0 (``t = 0`` or ``D = 0``). The projection is the mean: Karula is
-       FedSGD with SAGA memory at step ``eta / n`` on ``F(w) = (1/n) sum_i alpha_i
-       f_i(w)``, minibatch SAGA with expected smoothness ``L_F(s)`` (``Lbar`` bounds
-       the smoothness of ``F``). For ``n`` identical quadratic clients the same
-       second-moment recursion (4 moments by symmetry) is stable iff
-       ``(eta / n) a < b(n, s)`` (:func:`consensus_stability_factor`, from 1 at
-       ``s = 1`` to 2 at ``s = n``); ``tied`` takes half. It is never below case 1.
-    3. Between. The set ``K`` is invariant under moving every client by the same
-       vector, so the projection keeps the client mean: the mean follows case 2 at
-       every ``t`` (never a larger step than ``tied``), and the differences are
-       bounded by the radii. Near a solution with multipliers ``Lambda`` (KKT:
-       ``grad f(theta) + (L_Lambda x I) theta = 0``, ``L_Lambda`` the Laplacian of the
-       pair multipliers) the projection of ``theta - eta grad f`` has multipliers
-       ``eta Lambda`` and acts on a perturbation ``e`` as the implicit step
-       ``(I + eta L_Lambda)^-1``: a round is ``e <- (I + eta L_Lambda)^-1 (I - eta H) e``.
-       With ``H = h I``, along an eigenvector of ``L_Lambda`` with eigenvalue ``mu``
-       the factor is ``|1 - eta h| / (1 + eta mu)``, below 1 iff ``eta (h - mu) < 2``.
-       The least damped direction besides the mean has ``mu = mu_2``, the algebraic
-       connectivity, so the limit ``2 / h`` of case 1 becomes ``2 / (h (1 - kappa))``
-       with ``kappa = mu_2 / h``, and for ``kappa >= 1`` only the mean's limit (case 2)
-       is left. The rule applies this factor to ``free`` and caps it at ``tied``.
-       ``kappa`` comes from a pilot (:func:`~karula_jax.algorithms.step_size.coupling`): for
-       ``F_i = (h / 2) ||theta_i - theta_i°||^2`` the solution is the Euclidean
-       projection onto ``K`` of the local optima ``theta°``, whose multipliers are
-       ``Lambda / h``; so ``kappa`` is the algebraic connectivity of the multipliers of
-       projecting approximate local optima (:func:`~karula_jax.algorithms.step_size.local_optima`:
-       20 full-batch gradient steps at ``1 / L_i`` from ``params``; fewer steps
-       underestimate the clients' separation, hence ``kappa``). It assumes one
-       curvature for every client and multipliers at the solution like the pilot's,
-       and uses case 1's sampled limit for ``free``: a model, checked by the runs
-       below, not a bound. Shared leaves (``personalized``) are tied as in case 2;
-       with no personalized leaf the rule is ``tied``.
-
-    The factor 1/2 leaves room for curvature that changes along the run, minibatch
-    noise (``B < N_i`` adds a noise floor, not instability) and errors in ``L_i``.
-    Measured on 6 ridge and logistic clients (``tests/test_step_size.py``, 300 rounds,
-    s in {1, 2, 6}, t in {0, 0.05, 0.5, inf}, where 0.05 leaves most pair constraints
-    active at the optimum and 0.5 about half): the default always converged (except
-    s = 1 at t = inf, still converging after 300 rounds), and the largest constant
-    step that converged was 1.4 to 2.8 times the default at every t (without case 3,
-    up to 5.7 times at t = 0.5 and 16 times at t = 0.05).
 
     ``L_i`` (``smoothness``): ``None`` takes ``loss.smoothness(data)`` when the loss has
     it (:func:`karula_jax.models.ridge_loss` and ``logistic_loss`` do, exactly from the
@@ -220,8 +153,50 @@ def karula(
         < 1 (``s > n`` is detected by ``init``/``round``); bad ``weights``; at
         ``init``, ``params`` that do not fit the data (see ``_common.check_params``).
     """
-    from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
+    D, t, s, B = _check_arguments(
+        D, t, learning_rate, clients_per_round, batch_size, weights, smoothness, personalized
+    )
+    projection = {
+        "method": projection_method,
+        "tol": projection_tol,
+        "max_iter": projection_max_iter,
+    }
+    setup = _Setup(
+        loss, D, t, D.shape[0], s, B, learning_rate, smoothness, personalized, weights, projection
+    )
 
+    def init(params, data: ClientData, *, key) -> FedState:
+        return _init(setup, params, data, key)
+
+    def round_fn(state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
+        return _round(setup, state, data)
+
+    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+
+
+class _Setup(NamedTuple):
+    """What the functions of a :func:`karula` algorithm close over."""
+
+    loss: LossFn
+    D: jnp.ndarray  # [n, n] float32
+    t: jnp.ndarray  # [] float32
+    n: int
+    s: int  # clients per round
+    B: int  # batch size
+    learning_rate: Any  # a number, None or "theorem"
+    smoothness: Any
+    personalized: Any
+    weights: Any
+    projection: dict  # method, tol and max_iter of karula_jax.projection.project
+
+    def radii(self) -> jnp.ndarray:
+        return radii_squared(self.t, self.D)
+
+
+def _check_arguments(
+    D, t, learning_rate, clients_per_round, batch_size, weights, smoothness, personalized
+):
+    """The checks of :func:`karula`'s arguments; returns ``(D, t, s, B)`` as it uses them."""
     check_dissimilarity(D)
     C.check_nonnegative("t", t, allow_inf=True)
     if isinstance(learning_rate, str):
@@ -236,142 +211,144 @@ def karula(
     B = C.check_positive_int("batch_size", batch_size)
     C.check_weights(weights)
     D = jnp.asarray(D, dtype=jnp.float32)
-    n = D.shape[0]
     t = jnp.asarray(t, jnp.float32)
-    check_smoothness(smoothness, n)
-
-    def _check_data(data: ClientData) -> None:
-        if data.num_clients != n:
-            raise ValueError(f"D has shape {D.shape} but data hold {data.num_clients} clients")
-        C.check_clients_per_round(s, n)
-
-    # Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]),
-    # stepped along the client mean of nu, which is their projection (the mean of v).
+    check_smoothness(smoothness, D.shape[0])
     check_personalized(personalized)
+    return D, t, s, B
 
-    def _shared(tree):
-        """None when every leaf of ``tree`` (shaped like params) is personalized, else
-        True on its shared leaves."""
-        return shared_leaves(personalized, tree)
 
-    def _radii():
-        return radii_squared(t, D)
+def _check_data(setup: _Setup, data: ClientData) -> None:
+    if data.num_clients != setup.n:
+        raise ValueError(f"D has shape {setup.D.shape} but data hold {data.num_clients} clients")
+    C.check_clients_per_round(setup.s, setup.n)
 
-    def _own(tree):
-        """The personalized leaves of ``tree``, as a list (all of them if none shared)."""
-        leaves, shared = jax.tree.leaves(tree), _shared(tree)
-        if shared is None:
-            return leaves
-        return [a for a, f in zip(leaves, jax.tree.leaves(shared), strict=True) if not f]
 
-    def _with_own(tree, own):
-        """``tree`` with its personalized leaves replaced by the list ``own``."""
-        leaves, treedef = jax.tree.flatten(tree)
-        shared = _shared(tree)
-        flags = [False] * len(leaves) if shared is None else jax.tree.leaves(shared)
-        own = iter(own)
-        return treedef.unflatten(
-            [a if f else next(own) for a, f in zip(leaves, flags, strict=True)]
-        )
+# Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]), stepped
+# along the client mean of nu, which is their projection (the mean of v).
 
-    def _project(v, warm_start):
-        own = _own(v)
-        if not own:  # every leaf shared: v is the consensus already
-            zero = jnp.zeros((), jnp.float32)
-            return v, P.ProjectionInfo(0, zero, zero, zero, zero, True, warm_start)
-        theta, info = P.project(
-            own,
-            _radii(),
-            method=projection_method,
-            tol=projection_tol,
-            max_iter=projection_max_iter,
-            warm_start=warm_start,
-        )
-        return _with_own(v, theta), info
 
-    def _coupling(params, data, L_i):
-        """``kappa`` of the step rule: the projection of approximate local optima."""
-        if not _own(params):  # every leaf shared: Karula is FedSGD with memory, the tied case
-            return jnp.float32(jnp.inf)
-        radii = C.concrete(_radii())
-        if radii is not None:  # known radii all 0 (kappa unused) or all inf (kappa = 0)
-            off = radii[~np.eye(n, dtype=bool)]
-            if np.all(off == 0) or np.all(np.isposinf(off)):
-                return jnp.float32(0.0)
-        _, info = _project(local_optima(loss, params, data, L_i), None)
-        return coupling(info.state.lam, _radii())
+def _own(personalized, tree) -> list:
+    """The personalized leaves of ``tree``, as a list (all of them if none shared)."""
+    leaves, shared = jax.tree.leaves(tree), shared_leaves(personalized, tree)
+    if shared is None:
+        return leaves
+    return [a for a, f in zip(leaves, jax.tree.leaves(shared), strict=True) if not f]
 
-    def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
-        shared = _shared(params)  # checks its structure
-        _check_data(data)
-        key_init, key_run = C.init_and_run_keys(key)
-        theta = C.stack_clients(params, n, shared=shared)
-        alpha = C.resolve_weights(weights, data)
-        memory = init_memory(loss, theta, data, alpha, key_init, B)
-        dtype = jnp.result_type(*jax.tree.leaves(params))
-        own = _own(theta)
-        if own:
-            proj_state = P.init_projection_state(own, _radii(), method=projection_method)
-        else:
-            proj_state = P.ProjectionState(jnp.zeros((n, n), dtype), jnp.zeros((0, 0), dtype))
-        if learning_rate is None or isinstance(learning_rate, str):
-            L_i = client_smoothness(
-                loss, params, data, smoothness, key=jax.random.fold_in(key_init, 1)
-            )
-        if isinstance(learning_rate, str):  # "theorem"
-            eta = theorem_learning_rate(L_i, alpha)
-        elif learning_rate is None:
-            consensus = jnp.all(_radii() == 0)
-            eta = karula_learning_rate(
-                L_i, alpha, s, consensus=consensus, coupling=_coupling(params, data, L_i)
-            )
-        else:
-            eta = learning_rate
-        return FedState(
-            params=theta,
-            memory=memory,
-            proj_state=proj_state,
-            extra=KarulaExtra(learning_rate=jnp.asarray(eta, dtype)),
-            key=key_run,
-            round=jnp.zeros((), jnp.int32),
-        )
 
-    def round_fn(state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
-        _check_data(data)
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        a_s = alpha[idx]
-        values, G, nu, memory = saga_round(
-            loss,
-            state.params,
-            state.memory,
-            data,
-            idx,
-            key_batch,
-            a_s,
-            B,
-            shared=_shared(state.params),
-        )
-        eta = state.extra.learning_rate
-        v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
-        theta, pinfo = _project(v, state.proj_state)
-        info = RoundInfo(
-            loss=C.weighted_mean(values, a_s),
-            participants=mask,
-            proj_delta=jnp.asarray(pinfo.delta, jnp.float32),
-            proj_violation=jnp.asarray(pinfo.max_violation, jnp.float32),
-            proj_iterations=jnp.asarray(pinfo.iterations, jnp.int32),
-            proj_converged=jnp.asarray(pinfo.converged, bool),
-            finite=C.all_finite(values, G, theta),
-        )
-        new_state = FedState(
-            params=theta,
-            memory=memory,
-            proj_state=pinfo.state,
-            extra=state.extra,
-            key=state.key,
-            round=state.round + 1,
-        )
-        return new_state, info
+def _with_own(personalized, tree, own):
+    """``tree`` with its personalized leaves replaced by the list ``own``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shared = shared_leaves(personalized, tree)
+    flags = [False] * len(leaves) if shared is None else jax.tree.leaves(shared)
+    own = iter(own)
+    return treedef.unflatten([a if f else next(own) for a, f in zip(leaves, flags, strict=True)])
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+
+def _project(setup: _Setup, v, warm_start):
+    """``v`` with its personalized leaves projected onto ``K``, and the projection's info."""
+    from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
+
+    own = _own(setup.personalized, v)
+    if not own:  # every leaf shared: v is the consensus already
+        zero = jnp.zeros((), jnp.float32)
+        return v, P.ProjectionInfo(0, zero, zero, zero, zero, True, warm_start)
+    theta, info = P.project(own, setup.radii(), warm_start=warm_start, **setup.projection)
+    return _with_own(setup.personalized, v, theta), info
+
+
+def _coupling(setup: _Setup, params, data, L_i):
+    """``kappa`` of the step rule: the projection of approximate local optima."""
+    if not _own(setup.personalized, params):  # every leaf shared: FedSGD, the tied case
+        return jnp.float32(jnp.inf)
+    radii = C.concrete(setup.radii())
+    if radii is not None:  # known radii all 0 (kappa unused) or all inf (kappa = 0)
+        off = radii[~np.eye(setup.n, dtype=bool)]
+        if np.all(off == 0) or np.all(np.isposinf(off)):
+            return jnp.float32(0.0)
+    _, info = _project(setup, local_optima(setup.loss, params, data, L_i), None)
+    return coupling(info.state.lam, setup.radii())
+
+
+def _step_size(setup: _Setup, params, data, alpha, key_init):
+    """``eta``: the given ``learning_rate``, Theorem 4.3's step or the default rule."""
+    learning_rate = setup.learning_rate
+    if learning_rate is not None and not isinstance(learning_rate, str):
+        return learning_rate
+    L_i = client_smoothness(
+        setup.loss, params, data, setup.smoothness, key=jax.random.fold_in(key_init, 1)
+    )
+    if isinstance(learning_rate, str):  # "theorem"
+        return theorem_learning_rate(L_i, alpha)
+    consensus = jnp.all(setup.radii() == 0)
+    return karula_learning_rate(
+        L_i, alpha, setup.s, consensus=consensus, coupling=_coupling(setup, params, data, L_i)
+    )
+
+
+def _init(setup: _Setup, params, data: ClientData, key) -> FedState:
+    """``init`` of :func:`karula`."""
+    from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
+
+    C.check_params(setup.loss, params, data)
+    shared = shared_leaves(setup.personalized, params)  # checks its structure
+    _check_data(setup, data)
+    key_init, key_run = C.init_and_run_keys(key)
+    n = setup.n
+    theta = C.stack_clients(params, n, shared=shared)
+    alpha = C.resolve_weights(setup.weights, data)
+    memory = init_memory(setup.loss, theta, data, alpha, key_init, setup.B)
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    own = _own(setup.personalized, theta)
+    if own:
+        method = setup.projection["method"]
+        proj_state = P.init_projection_state(own, setup.radii(), method=method)
+    else:
+        proj_state = P.ProjectionState(jnp.zeros((n, n), dtype), jnp.zeros((0, 0), dtype))
+    eta = _step_size(setup, params, data, alpha, key_init)
+    return FedState(
+        params=theta,
+        memory=memory,
+        proj_state=proj_state,
+        extra=KarulaExtra(learning_rate=jnp.asarray(eta, dtype)),
+        key=key_run,
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def _round(setup: _Setup, state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
+    """``round`` of :func:`karula`."""
+    _check_data(setup, data)
+    alpha, mask, idx, key_batch = C.begin_round(state, data, setup.s, setup.weights)
+    a_s = alpha[idx]
+    values, G, nu, memory = saga_round(
+        setup.loss,
+        state.params,
+        state.memory,
+        data,
+        idx,
+        key_batch,
+        a_s,
+        setup.B,
+        shared=shared_leaves(setup.personalized, state.params),
+    )
+    eta = state.extra.learning_rate
+    v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
+    theta, pinfo = _project(setup, v, state.proj_state)
+    info = RoundInfo(
+        loss=C.weighted_mean(values, a_s),
+        participants=mask,
+        proj_delta=jnp.asarray(pinfo.delta, jnp.float32),
+        proj_violation=jnp.asarray(pinfo.max_violation, jnp.float32),
+        proj_iterations=jnp.asarray(pinfo.iterations, jnp.int32),
+        proj_converged=jnp.asarray(pinfo.converged, bool),
+        finite=C.all_finite(values, G, theta),
+    )
+    new_state = FedState(
+        params=theta,
+        memory=memory,
+        proj_state=pinfo.state,
+        extra=state.extra,
+        key=state.key,
+        round=state.round + 1,
+    )
+    return new_state, info

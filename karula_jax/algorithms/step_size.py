@@ -1,7 +1,6 @@
 """Karula's default step size and the per-client smoothness constants it is built from.
 
-The rule and its derivation are in the docstring of :func:`karula_jax.algorithms.karula`
-(section "Step size"). This module computes it:
+The rule and its derivation are in ``docs/karula.md``. This module computes it:
 
 * :func:`stability_factor` ``c(p)``: the exact mean-square stability limit of the SAGA
   estimator on one uncoupled quadratic client, in units of ``s / (alpha_i L_i)``;
@@ -64,7 +63,7 @@ def stability_factor(p):
 
     The positive root of ``(2 - p)(1 - p) c^2 + (2 - p) c - 2 = 0``: one uncoupled client
     with curvature ``a`` is mean-square stable under Karula's round iff
-    ``eta a < s c(s / n)`` (derivation in :func:`karula_jax.algorithms.karula`).
+    ``eta a < s c(s / n)`` (derivation in ``docs/karula.md``).
     ``c(1) = 2`` (gradient descent's ``2 / L``); ``c`` decreases to
     ``(sqrt(5) - 1) / 2 = 0.618`` as ``p -> 0``.
 
@@ -148,7 +147,7 @@ def karula_learning_rate(
     ``kappa`` times the curvature, which lifts the uncoupled limit by ``1 / (1 - kappa)``;
     the mean is never damped, hence the cap. With every client participating
     ``free = n / L_max = 1 / L`` (:func:`lipschitz_ridge`'s ``L``) and ``tied = n / Lbar``.
-    Derivation: the docstring of :func:`karula_jax.algorithms.karula`.
+    Derivation: ``docs/karula.md``.
 
     Args:
       smoothness: ``L_i``, Lipschitz constants of ``grad f_i`` (each client's own mean
