@@ -26,6 +26,7 @@ grids.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -313,7 +314,10 @@ def vmap_algorithm(
     )
 
 
-def _check_members(what: str, tree: Any, num_members: int) -> None:
+def _check_members(what: str, tree: Any, num_members: int, *, asked: bool = True) -> None:
+    """When ``asked``, every leaf of ``tree`` must have a leading axis ``[num_members]``."""
+    if not asked:
+        return
     lead = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(tree)}
     if lead != {num_members}:
         raise ValueError(
@@ -353,6 +357,61 @@ def _placement(
     )
 
 
+def _check_run_options(run_kwargs: Mapping[str, Any], shard: str) -> dict[str, Any]:
+    """The options :func:`run_many` passes to the chunk loop, with :func:`run`'s defaults."""
+    unknown = sorted(set(run_kwargs) - set(_RUN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"run_many got unexpected keyword arguments {unknown}; the options it passes "
+            f"to the chunk loop are {sorted(_RUN_OPTIONS)}"
+        )
+    if shard not in SHARD_AXES:
+        raise ValueError(f"shard must be one of {SHARD_AXES}, got {shard!r}")
+    return {**_RUN_OPTIONS, **run_kwargs}
+
+
+def _check_keys(keys) -> tuple[jax.Array, int]:
+    """``keys`` as stacked keys ``[S]`` (typed or raw ``[S, 2]``) and ``S``."""
+    keys = keys if ckpt.is_key(keys) else jnp.asarray(keys)
+    key_batch_ndim = 1 if ckpt.is_key(keys) else 2
+    if keys.ndim != key_batch_ndim:
+        raise ValueError(
+            f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"
+        )
+    return keys, keys.shape[0]
+
+
+def _batched_eval(eval_fn: EvalFn, grid: int | None, eval_data_per_seed: bool) -> Callable:
+    """``eval_fn`` vmapped over the grid (client params only) and the members."""
+    e_axis = 0 if eval_data_per_seed else None
+    per_grid = eval_fn if grid is None else jax.vmap(eval_fn, in_axes=(0, None))
+    return jax.vmap(per_grid, in_axes=(0, e_axis))
+
+
+def _fingerprints(data, batch_kwargs) -> dict[str, Any]:
+    """Checkpoint fingerprints of the batch's data and factory arguments."""
+    return {
+        "data": ckpt.content_hash(data),
+        "batch_kwargs": ckpt.content_hash(batch_kwargs) if batch_kwargs else None,
+    }
+
+
+def _batched_algorithm(
+    make_algorithm, hyper, batch_kwargs, num_members, data_per_seed, params_per_seed
+):
+    """The batch as one algorithm, after the factory's checks on every member and grid point.
+
+    Returns:
+      ``(algorithm, name, batch_kwargs, grid)``: the vmapped :class:`Algorithm`, the
+      factory's name, the checked ``batch_kwargs`` and the grid size (None without ``hyper``).
+    """
+    hyper_arrays, grid = _check_hyper(hyper)
+    kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
+    name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
+    per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
+    return _members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+
+
 def run_many(
     make_algorithm: Callable[..., Algorithm],
     params: Any,
@@ -387,46 +446,11 @@ def run_many(
     into the leading *member* axis ``[S]``: e.g. CV folds x seeds is ``S = folds * seeds``
     members, each with its own key, and its own data, initial model and factory
     arguments where ``data_per_seed``/``params_per_seed``/``batch_kwargs`` say so. The
-    grid ``hyper`` (``[G]`` values per name) is crossed on top of every member. State
-    leaves come back as ``[S, G, ...]``, info leaves as ``[num_rounds, S, G, ...]``,
-    metrics as ``[num_evals, S, G, ...]``; without ``hyper`` there is no ``G`` axis.
-    Every grid point of a member uses the member's key (common random numbers).
+    grid ``hyper`` (``[G]`` values per name) is crossed on top of every member (shapes
+    of the results: Returns). Every grid point of a member uses the member's key.
 
-    Example: 5 CV folds x 3 seeds x a grid of 4 values of t (Karula with each fold's own
-    dissimilarity matrix and smoothness constant)::
-
-        folds, seeds, ts = 5, 3, np.array([0.0, 1.0, 4.0, 16.0])
-        member = [(f, s) for f in range(folds) for s in range(seeds)]  # b = f * seeds + s
-        stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
-        res = run_many(
-            lambda D, L, t: karula(loss, D, t=t, learning_rate=0.5 / L, clients_per_round=10),
-            params,
-            stack([train[f] for f, s in member]),  # ClientData leaves [15, n, N, ...]
-            keys=jnp.stack([jax.random.key(s) for f, s in member]),  # [15]
-            num_rounds=500,
-            data_per_seed=True,
-            batch_kwargs={"D": np.stack([D[f] for f, s in member]),  # [15, n, n]
-                          "L": np.array([L[f] for f, s in member])},  # [15]
-            hyper={"t": ts},  # [4]
-            eval_fn=metrics,
-            eval_data=stack([valid[f] for f, s in member]),
-            eval_data_per_seed=True,
-        )
-        mse = res.metrics["mse"][-1].reshape(folds, seeds, len(ts), n)  # the last evaluation
-        best_t = ts[mse.mean(axis=(0, 3)).argmin(axis=1)]  # per seed, pooled over folds
-
-    **Memory.** All ``S * G`` runs live on the device at once: their states (models,
-    gradient memories, projection warm starts), one round's intermediates of each (the
-    selected clients' gradients), the data (``S`` copies with ``data_per_seed``, else
-    one shared copy; ``batch_kwargs`` and ``params_per_seed`` likewise ``S`` copies) and
-    one chunk of round info (``[chunk_size, S, G, ...]``; ``participants`` holds ``n``
-    booleans per run and round). Budget about ``S * G`` times the memory of one
-    :func:`run` plus the stacked data. If that does not fit, split the members (or the
-    grid) over several ``run_many`` calls: runs are independent, so the results are the
-    same (each call compiles once), or shard the member axis over devices (``mesh``,
-    ``shard="batch"``). The histories (info, metrics) are kept on the host; pass
-    ``eval_every_chunk=False`` when per-client metrics of a large batch are only needed
-    at the end.
+    A worked example (CV folds x seeds x a grid of ``t``) and the memory a batch needs
+    (about ``S * G`` times one :func:`run`'s): ``docs/batched_runs.md``.
 
     Args:
       make_algorithm: ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``,
@@ -474,58 +498,23 @@ def run_many(
         see the module docstring), and everything :func:`run` raises.
       TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
     """
-    unknown = sorted(set(run_kwargs) - set(_RUN_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"run_many got unexpected keyword arguments {unknown}; the options it passes "
-            f"to the chunk loop are {sorted(_RUN_OPTIONS)}"
-        )
-    options = {**_RUN_OPTIONS, **run_kwargs}
-    if shard not in SHARD_AXES:
-        raise ValueError(f"shard must be one of {SHARD_AXES}, got {shard!r}")
-    keys = keys if ckpt.is_key(keys) else jnp.asarray(keys)
-    key_batch_ndim = 1 if ckpt.is_key(keys) else 2
-    if keys.ndim != key_batch_ndim:
-        raise ValueError(
-            f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"
-        )
-    num_members = keys.shape[0]
-    if data_per_seed:
-        _check_members("data_per_seed", data, num_members)
-    if params_per_seed:
-        _check_members("params_per_seed", params, num_members)
-    hyper_arrays, grid = _check_hyper(hyper)
-    kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
-    name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
-    algorithm = _members(
-        make_algorithm,
-        hyper_arrays,
-        grid,
-        data_per_seed=data_per_seed,
-        params_per_seed=params_per_seed,
+    options = _check_run_options(run_kwargs, shard)
+    keys, num_members = _check_keys(keys)
+    _check_members("data_per_seed", data, num_members, asked=data_per_seed)
+    _check_members("params_per_seed", params, num_members, asked=params_per_seed)
+    algorithm, name, kw, grid = _batched_algorithm(
+        make_algorithm, hyper, batch_kwargs, num_members, data_per_seed, params_per_seed
     )
-
-    batched_eval = None
-    if eval_fn is not None:
-        if eval_data is None:
-            eval_data = data
-            eval_data_per_seed = data_per_seed
-        elif eval_data_per_seed:
-            _check_members("eval_data_per_seed", eval_data, num_members)
-        e_axis = 0 if eval_data_per_seed else None
-        per_grid = eval_fn if grid is None else jax.vmap(eval_fn, in_axes=(0, None))
-        batched_eval = jax.vmap(per_grid, in_axes=(0, e_axis))
-
+    if eval_fn is not None and eval_data is None:
+        eval_data, eval_data_per_seed = data, data_per_seed
+    elif eval_fn is not None and eval_data_per_seed:
+        _check_members("eval_data_per_seed", eval_data, num_members)
+    batched_eval = None if eval_fn is None else _batched_eval(eval_fn, grid, eval_data_per_seed)
     placement = None
     if mesh is not None:
+        per_seed = {"data_per_seed": data_per_seed, "eval_data_per_seed": eval_data_per_seed}
         placement = _placement(
-            mesh,
-            shard,
-            num_members=num_members,
-            grid=grid,
-            data=data,
-            data_per_seed=data_per_seed,
-            eval_data_per_seed=eval_data_per_seed,
+            mesh, shard, num_members=num_members, grid=grid, data=data, **per_seed
         )
     out = run_chunks(
         algorithm,
@@ -537,10 +526,7 @@ def run_many(
         eval_data=eval_data,
         placement=placement,
         desc=f"{num_members} runs" if grid is None else f"{num_members}x{grid} runs",
-        fingerprints=lambda: {
-            "data": ckpt.content_hash(data),
-            "batch_kwargs": ckpt.content_hash(kw) if kw else None,
-        },
+        fingerprints=functools.partial(_fingerprints, data, kw),
         name=f"{name} (batched by run_many)",
         **options,
     )

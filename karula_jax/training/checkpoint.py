@@ -261,6 +261,62 @@ def _entry(files: dict, name: str, shape: tuple | None = None) -> np.ndarray:
     return value
 
 
+def _read_header(files: dict) -> dict:
+    """The JSON header of a checkpoint, its fields checked; raises ``_Corrupt``."""
+    try:
+        meta = json.loads(str(_entry(files, "meta", ())))
+    except json.JSONDecodeError as err:
+        raise _Corrupt(f"malformed JSON header ({err})") from err
+    if not isinstance(meta, dict):
+        raise _Corrupt(f"header is a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != _FORMAT:
+        raise _Corrupt(f"format {meta.get('format')!r}, this version reads {_FORMAT!r}")
+    rounds_done = _meta_field(meta, "rounds_done", int)
+    if rounds_done < 0:
+        raise _Corrupt(f"rounds_done={rounds_done}")
+    _meta_field(meta, "treedef", str)
+    specs = _meta_field(meta, "leaves", list)
+    _meta_field(meta, "has_info", bool)
+    _meta_field(meta, "metric_names", list)
+    for spec in specs:
+        if not (
+            isinstance(spec, dict)
+            and isinstance(spec.get("shape"), list)
+            and isinstance(spec.get("dtype"), str)
+            and "key_impl" in spec
+        ):
+            raise _Corrupt(f"malformed leaf entry {spec!r} in the header")
+    return meta
+
+
+def _read_leaf(files: dict, path: str, i: int, spec: dict, ref) -> jax.Array:
+    """State leaf ``i`` as a jax array (or key array) of the shape and dtype of ``ref``.
+
+    Raises ``_Corrupt`` for damaged contents and ValueError for a leaf of another shape or
+    dtype than ``ref``.
+    """
+    want = _spec_of_struct(ref)
+    if spec["shape"] != want["shape"] or spec["dtype"] != want["dtype"]:
+        raise ValueError(
+            f"checkpoint {path}: state leaf {i} has shape {tuple(spec['shape'])} and "
+            f"dtype {spec['dtype']}, expected shape {tuple(want['shape'])} and dtype "
+            f"{want['dtype']}"
+        )
+    if spec["key_impl"] is not None:
+        value = _entry(files, f"state_{i:04d}")
+        try:
+            key = jax.random.wrap_key_data(jnp.asarray(value), impl=spec["key_impl"])
+        except (TypeError, ValueError) as err:
+            raise _Corrupt(f"state leaf {i} is not key data of {spec['key_impl']}") from err
+        if list(key.shape) != spec["shape"]:
+            raise _Corrupt(f"state leaf {i} has key shape {key.shape}")
+        return key
+    value = _entry(files, f"state_{i:04d}", spec["shape"])
+    if str(value.dtype) != spec["dtype"]:
+        raise _Corrupt(f"array state_{i:04d} has dtype {value.dtype}")
+    return jnp.asarray(value)
+
+
 def load_checkpoint(
     path: str | os.PathLike, like: Any, *, algorithm: str | None = None
 ) -> tuple[Any, dict, dict]:
@@ -295,29 +351,9 @@ def load_checkpoint(
     like_leaves, treedef = jax.tree.flatten(like)
     try:
         files = _read_npz(path)
-        try:
-            meta = json.loads(str(_entry(files, "meta", ())))
-        except json.JSONDecodeError as err:
-            raise _Corrupt(f"malformed JSON header ({err})") from err
-        if not isinstance(meta, dict):
-            raise _Corrupt(f"header is a JSON {type(meta).__name__}, not an object")
-        if meta.get("format") != _FORMAT:
-            raise _Corrupt(f"format {meta.get('format')!r}, this version reads {_FORMAT!r}")
-        rounds_done = _meta_field(meta, "rounds_done", int)
-        if rounds_done < 0:
-            raise _Corrupt(f"rounds_done={rounds_done}")
-        stored_treedef = _meta_field(meta, "treedef", str)
-        specs = _meta_field(meta, "leaves", list)
-        has_info = _meta_field(meta, "has_info", bool)
-        metric_names = _meta_field(meta, "metric_names", list)
-        for spec in specs:
-            if not (
-                isinstance(spec, dict)
-                and isinstance(spec.get("shape"), list)
-                and isinstance(spec.get("dtype"), str)
-                and "key_impl" in spec
-            ):
-                raise _Corrupt(f"malformed leaf entry {spec!r} in the header")
+        meta = _read_header(files)
+        rounds_done = meta["rounds_done"]
+        stored_treedef, specs = meta["treedef"], meta["leaves"]
     except _Corrupt as err:
         raise ValueError(
             f"checkpoint {path} is corrupt or not a karula_jax checkpoint: {err}"
@@ -336,31 +372,12 @@ def load_checkpoint(
             f"  checkpoint: {stored_treedef}\n  expected:   {treedef}"
         )
     try:
-        leaves = []
-        for i, (spec, ref) in enumerate(zip(specs, like_leaves, strict=True)):
-            want = _spec_of_struct(ref)
-            if spec["shape"] != want["shape"] or spec["dtype"] != want["dtype"]:
-                raise ValueError(
-                    f"checkpoint {path}: state leaf {i} has shape {tuple(spec['shape'])} and "
-                    f"dtype {spec['dtype']}, expected shape {tuple(want['shape'])} and dtype "
-                    f"{want['dtype']}"
-                )
-            if spec["key_impl"] is not None:
-                value = _entry(files, f"state_{i:04d}")
-                try:
-                    key = jax.random.wrap_key_data(jnp.asarray(value), impl=spec["key_impl"])
-                except (TypeError, ValueError) as err:
-                    raise _Corrupt(f"state leaf {i} is not key data of {spec['key_impl']}") from err
-                if list(key.shape) != spec["shape"]:
-                    raise _Corrupt(f"state leaf {i} has key shape {key.shape}")
-                leaves.append(key)
-            else:
-                value = _entry(files, f"state_{i:04d}", spec["shape"])
-                if str(value.dtype) != spec["dtype"]:
-                    raise _Corrupt(f"array state_{i:04d} has dtype {value.dtype}")
-                leaves.append(jnp.asarray(value))
+        leaves = [
+            _read_leaf(files, path, i, spec, ref)
+            for i, (spec, ref) in enumerate(zip(specs, like_leaves, strict=True))
+        ]
         info = None
-        if has_info:
+        if meta["has_info"]:
             fields = meta.get("info_fields")
             if fields is None:
                 fields = [k[len("info_") :] for k in files if k.startswith("info_")]
@@ -375,7 +392,8 @@ def load_checkpoint(
             info = RoundInfo(*(_entry(files, f"info_{name}") for name in RoundInfo._fields))
             if {a.shape[:1] for a in info} != {(rounds_done,)}:
                 raise _Corrupt(f"round-info arrays do not all hold {rounds_done} rounds")
-        metrics = {name: _entry(files, f"metric_{i:04d}") for i, name in enumerate(metric_names)}
+        names = meta["metric_names"]
+        metrics = {name: _entry(files, f"metric_{i:04d}") for i, name in enumerate(names)}
         metric_rounds = files.get("metric_rounds", np.zeros((0,), np.int64))
         if any(m.shape[:1] != metric_rounds.shape for m in metrics.values()):
             raise _Corrupt("metric arrays and metric_rounds disagree in length")

@@ -328,6 +328,76 @@ def run_chunks(
     checkpoint (default :func:`~karula_jax.training.checkpoint.algorithm_name`).
     """
     t_start = time.perf_counter()
+    num_rounds, chunk_size, ckpt_path = _check_loop_options(
+        num_rounds, chunk_size, on_nonfinite, resume, checkpoint_dir
+    )
+    if placement is not None:
+        data = placement.data(data)
+        if eval_fn is not None:
+            eval_data = placement.eval_data(eval_data)
+
+    init = _jitted_init(algorithm)
+    ckpt_meta = {}
+    if ckpt_path is not None:
+        loaded, ckpt_meta = _open_checkpoint(
+            ckpt_path, algorithm, init, params, data, key, chunk_size, resume, name, fingerprints
+        )
+
+    hist = _History(t_start)
+    if resume:
+        state, done = hist.resume(ckpt_path, *loaded, ckpt_meta, num_rounds)
+    else:
+        state, checks = init(params, data, key=key)
+        raise_failed_checks(gather_to_host(checks))  # a collective on a multi-host mesh
+        done = 0
+    hist.inherited = hist.rounds()  # rounds from the checkpoint
+    # Private copies: jit may forward input arrays (e.g. the key) into the state, and the
+    # chunk donates the state's buffers.
+    state = jax.tree.map(lambda x: x.copy(), state)
+    if placement is not None:
+        state = placement.state(state)
+
+    eval_jit = None if eval_fn is None else _jitted_eval(algorithm, eval_fn)
+    if eval_jit is not None and not hist.metric_rounds:
+        hist.evaluate(eval_jit, state, done, data=data, eval_data=eval_data)
+    if done == num_rounds:
+        return hist.result(state)
+
+    t0 = time.perf_counter()
+    compiled = (
+        _jitted_chunk(algorithm, chunk_size).lower(state, data, jnp.int32(chunk_size)).compile()
+    )
+    hist.timings["compile_s"] = time.perf_counter() - t0
+    bar = RoundBar(num_rounds, done, progress and jax.process_index() == 0, desc)
+    try:
+        state, first_bad = _chunks(
+            compiled,
+            state,
+            data,
+            hist,
+            bar,
+            done=done,
+            num_rounds=num_rounds,
+            chunk_size=chunk_size,
+            on_nonfinite=on_nonfinite,
+            evaluate=None
+            if eval_jit is None
+            else functools.partial(hist.evaluate, eval_jit, data=data, eval_data=eval_data),
+            eval_every_chunk=eval_every_chunk,
+            ckpt_path=ckpt_path,
+            ckpt_meta=ckpt_meta,
+        )
+    finally:
+        bar.close()
+    return hist.result(state, first_bad)
+
+
+def _check_loop_options(num_rounds, chunk_size, on_nonfinite, resume, checkpoint_dir):
+    """Checks of :func:`run_chunks`'s options; prepares ``checkpoint_dir``.
+
+    Returns:
+      ``(num_rounds, chunk_size, ckpt_path)``, ``ckpt_path`` None without ``checkpoint_dir``.
+    """
     num_rounds = check_positive_int("num_rounds", num_rounds)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if on_nonfinite not in ("raise", "record"):
@@ -346,35 +416,56 @@ def run_chunks(
         )
     if checkpoint_dir is not None:
         ckpt.prepare_checkpoint_dir(checkpoint_dir)
-    if placement is not None:
-        data = placement.data(data)
-        if eval_fn is not None:
-            eval_data = placement.eval_data(eval_data)
+    return num_rounds, chunk_size, ckpt_path
 
-    init = _jitted_init(algorithm)
-    ckpt_meta = {}
-    if ckpt_path is not None:
-        name = ckpt.algorithm_name(algorithm) if name is None else name
-        template = jax.eval_shape(init, params, data, key=key)[0]
-        if resume:  # first: a state of another structure cannot even be traced
-            state, hist, meta = ckpt.load_checkpoint(ckpt_path, template, algorithm=name)
-        extra = dict(fingerprints()) if fingerprints is not None else {}
-        ckpt_meta = {
-            "algorithm_name": name,
-            "key": ckpt.key_fingerprint(key),
-            "algorithm": ckpt.algorithm_fingerprint(
-                init, _jitted_round(algorithm), template, params, data, key
-            ),
-            "data": extra.pop("data") if "data" in extra else ckpt.content_hash(data),
-            "params": ckpt.content_hash(params),
-            "chunk_size": chunk_size,
-            **extra,
-        }
 
-    info_parts: list[RoundInfo] = []
-    metric_history: list[dict] = []
-    metric_rounds: list[int] = []
-    if resume:
+def _open_checkpoint(
+    ckpt_path, algorithm, init, params, data, key, chunk_size, resume, name, fingerprints
+):
+    """The checkpoint's contents when resuming (else None) and the run's fingerprints.
+
+    Returns:
+      ``(loaded, meta)``: ``loaded`` is :func:`~karula_jax.training.checkpoint.load_checkpoint`'s
+      ``(state, histories, meta)`` or None; ``meta`` the header entries this run writes
+      and a resumed checkpoint must match.
+    """
+    name = ckpt.algorithm_name(algorithm) if name is None else name
+    template = jax.eval_shape(init, params, data, key=key)[0]
+    loaded = None
+    if resume:  # first: a state of another structure cannot even be traced
+        loaded = ckpt.load_checkpoint(ckpt_path, template, algorithm=name)
+    extra = dict(fingerprints()) if fingerprints is not None else {}
+    meta = {
+        "algorithm_name": name,
+        "key": ckpt.key_fingerprint(key),
+        "algorithm": ckpt.algorithm_fingerprint(
+            init, _jitted_round(algorithm), template, params, data, key
+        ),
+        "data": extra.pop("data") if "data" in extra else ckpt.content_hash(data),
+        "params": ckpt.content_hash(params),
+        "chunk_size": chunk_size,
+        **extra,
+    }
+    return loaded, meta
+
+
+class _History:
+    """What :func:`run_chunks` records as it goes: round infos, metrics and timings."""
+
+    def __init__(self, t_start: float):
+        self.t_start = t_start
+        self.info_parts: list[RoundInfo] = []
+        self.metric_history: list[dict] = []
+        self.metric_rounds: list[int] = []
+        self.timings = {"compile_s": 0.0, "run_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+        self.best_rate = 0.0
+        self.inherited = 0  # rounds read from the checkpoint
+
+    def rounds(self) -> int:
+        return sum(p.loss.shape[0] for p in self.info_parts)
+
+    def resume(self, ckpt_path, state, hist, meta, ckpt_meta, num_rounds):
+        """Takes the histories of a checkpoint; returns its ``(state, rounds_done)``."""
         ckpt.check_same_run(ckpt_path, meta, ckpt_meta)
         done = int(meta["rounds_done"])
         if done > num_rounds:
@@ -383,113 +474,103 @@ def run_chunks(
                 f"num_rounds={num_rounds}"
             )
         if hist["info"] is not None and done > 0:
-            info_parts.append(hist["info"])
+            self.info_parts.append(hist["info"])
         for i, r in enumerate(hist["metric_rounds"]):
-            metric_history.append({k: v[i] for k, v in hist["metrics"].items()})
-            metric_rounds.append(int(r))
-    else:
-        state, checks = init(params, data, key=key)
-        raise_failed_checks(gather_to_host(checks))  # a collective on a multi-host mesh
-        done = 0
-    inherited = sum(p.loss.shape[0] for p in info_parts)  # rounds from the checkpoint
-    # Private copies: jit may forward input arrays (e.g. the key) into the state, and the
-    # chunk donates the state's buffers.
-    state = jax.tree.map(lambda x: x.copy(), state)
-    if placement is not None:
-        state = placement.state(state)
-    shardings = jax.tree.map(lambda x: x.sharding, state)
+            self.metric_history.append({k: v[i] for k, v in hist["metrics"].items()})
+            self.metric_rounds.append(int(r))
+        return state, done
 
-    timings = {"compile_s": 0.0, "run_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
-    best_rate = 0.0
-
-    eval_jit = None
-    if eval_fn is not None:
-        eval_jit = _jitted_eval(algorithm, eval_fn)
-
-    def evaluate(st, rounds):
+    def evaluate(self, eval_jit, st, rounds, *, data, eval_data):
         t0 = time.perf_counter()
         out = _check_metrics(eval_jit(st, data, eval_data))
-        if metric_history and set(out) != set(metric_history[0]):
+        if self.metric_history and set(out) != set(self.metric_history[0]):
             raise ValueError(
                 f"eval_fn returned metrics {sorted(out)}, earlier evaluations (or the "
-                f"checkpoint) have {sorted(metric_history[0])}"
+                f"checkpoint) have {sorted(self.metric_history[0])}"
             )
-        metric_history.append(out)
-        metric_rounds.append(rounds)
-        timings["eval_s"] += time.perf_counter() - t0
+        self.metric_history.append(out)
+        self.metric_rounds.append(rounds)
+        self.timings["eval_s"] += time.perf_counter() - t0
         return out
 
-    if eval_jit is not None and not metric_rounds:
-        evaluate(state, done)
+    def save(self, ckpt_path, state, done, ckpt_meta) -> None:
+        t1 = time.perf_counter()
+        self.info_parts[:] = [_stack_infos(self.info_parts)]  # keep one array per field
+        ckpt.save_checkpoint(
+            ckpt_path,
+            state,
+            rounds_done=done,
+            info=self.info_parts[0],
+            metrics=_stack_metrics(self.metric_history),
+            metric_rounds=np.asarray(self.metric_rounds, dtype=np.int64),
+            extra_meta=ckpt_meta,
+        )
+        self.timings["checkpoint_s"] += time.perf_counter() - t1
 
-    def result(nonfinite=None):
-        info = _stack_infos(info_parts) if info_parts else None
-        timings["total_s"] = time.perf_counter() - t_start
-        ran = sum(p.loss.shape[0] for p in info_parts) - inherited
+    def result(self, state, nonfinite=None) -> RunResult:
+        info = _stack_infos(self.info_parts) if self.info_parts else None
+        timings = self.timings
+        timings["total_s"] = time.perf_counter() - self.t_start
+        ran = self.rounds() - self.inherited
         timings["rounds_per_s"] = ran / timings["run_s"] if timings["run_s"] > 0 else math.nan
-        timings["best_rounds_per_s"] = best_rate if best_rate > 0 else math.nan
+        timings["best_rounds_per_s"] = self.best_rate if self.best_rate > 0 else math.nan
         return RunResult(
             state=state,
             info=info,
-            metrics=_stack_metrics(metric_history),
-            metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
+            metrics=_stack_metrics(self.metric_history),
+            metric_rounds=np.asarray(self.metric_rounds, dtype=np.int64),
             timings=dict(timings),
             nonfinite_round=nonfinite,
             diagnostics=round_diagnostics(info),
         )
 
-    if done == num_rounds:
-        return result()
 
-    t0 = time.perf_counter()
-    compiled = (
-        _jitted_chunk(algorithm, chunk_size).lower(state, data, jnp.int32(chunk_size)).compile()
-    )
-    timings["compile_s"] = time.perf_counter() - t0
-
-    bar = RoundBar(num_rounds, done, progress and jax.process_index() == 0, desc)
+def _chunks(
+    compiled,
+    state,
+    data,
+    hist: _History,
+    bar: RoundBar,
+    *,
+    done: int,
+    num_rounds: int,
+    chunk_size: int,
+    on_nonfinite: str,
+    evaluate: Callable | None,
+    eval_every_chunk: bool,
+    ckpt_path: str | None,
+    ckpt_meta: dict,
+):
+    """Runs the chunks from round ``done`` to ``num_rounds``: ``(state, first bad round)``."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     first_bad: int | None = None
-    try:
-        while done < num_rounds:
-            active = min(chunk_size, num_rounds - done)
-            t0 = time.perf_counter()
-            state, info = compiled(state, data, jnp.int32(active))
-            info = RoundInfo(*(a[:active] for a in gather_to_host(info)))
-            dt = time.perf_counter() - t0
-            timings["run_s"] += dt
-            best_rate = max(best_rate, active / dt)
-            state = jax.device_put(state, shardings)  # keep the compiled input placement
-            bad = first_nonfinite(info.finite)
-            if bad is not None:
-                if first_bad is None:
-                    first_bad = done + bad
-                if on_nonfinite == "raise":
-                    info_parts.append(RoundInfo(*(a[: bad + 1] for a in info)))
-                    saved = ckpt_path is not None and os.path.isfile(ckpt_path)
-                    last = f"{done} rounds in {ckpt_path}" if saved else "none"
-                    err = nonfinite_error(done + bad, info.finite[bad], last, nonfinite_data(data))
-                    err.result = result(first_bad)
-                    raise err
-            info_parts.append(info)
-            done += active
-            last_metrics = {}
-            if eval_jit is not None and (eval_every_chunk or done == num_rounds):
-                last_metrics = evaluate(state, done)
-            if ckpt_path is not None:
-                t1 = time.perf_counter()
-                info_parts[:] = [_stack_infos(info_parts)]  # keep one array per field
-                ckpt.save_checkpoint(
-                    ckpt_path,
-                    state,
-                    rounds_done=done,
-                    info=info_parts[0],
-                    metrics=_stack_metrics(metric_history),
-                    metric_rounds=np.asarray(metric_rounds, dtype=np.int64),
-                    extra_meta=ckpt_meta,
-                )
-                timings["checkpoint_s"] += time.perf_counter() - t1
-            last_info = RoundInfo(*(a[-1] for a in info))
-            bar.update(active, scalar_summary(last_info, last_metrics))
-    finally:
-        bar.close()
-    return result(first_bad)
+    while done < num_rounds:
+        active = min(chunk_size, num_rounds - done)
+        t0 = time.perf_counter()
+        state, info = compiled(state, data, jnp.int32(active))
+        info = RoundInfo(*(a[:active] for a in gather_to_host(info)))
+        dt = time.perf_counter() - t0
+        hist.timings["run_s"] += dt
+        hist.best_rate = max(hist.best_rate, active / dt)
+        state = jax.device_put(state, shardings)  # keep the compiled input placement
+        bad = first_nonfinite(info.finite)
+        if bad is not None:
+            if first_bad is None:
+                first_bad = done + bad
+            if on_nonfinite == "raise":
+                hist.info_parts.append(RoundInfo(*(a[: bad + 1] for a in info)))
+                saved = ckpt_path is not None and os.path.isfile(ckpt_path)
+                last = f"{done} rounds in {ckpt_path}" if saved else "none"
+                err = nonfinite_error(done + bad, info.finite[bad], last, nonfinite_data(data))
+                err.result = hist.result(state, first_bad)
+                raise err
+        hist.info_parts.append(info)
+        done += active
+        last_metrics = {}
+        if evaluate is not None and (eval_every_chunk or done == num_rounds):
+            last_metrics = evaluate(state, done)
+        if ckpt_path is not None:
+            hist.save(ckpt_path, state, done, ckpt_meta)
+        last_info = RoundInfo(*(a[-1] for a in info))
+        bar.update(active, scalar_summary(last_info, last_metrics))
+    return state, first_bad
