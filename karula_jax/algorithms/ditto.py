@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,39 @@ def _shrink(lam, personal_learning_rate) -> jnp.ndarray:
     plr = jnp.asarray(personal_learning_rate, jnp.float32)
     safe = jnp.where(jnp.isinf(lam), 0.0, lam)
     return jnp.where(jnp.isinf(lam), 0.0, 1.0 / (1.0 + plr * safe))
+
+
+def _combine(flags, v, w):
+    """Personal leaves from ``v``, the others from ``w`` (same shapes)."""
+    return jax.tree.map(lambda f, a, b: a if f else b, flags, v, w)
+
+
+def _client(loss, personalized, lam, learning_rate, plr, steps, B, w, v, x, y, count, k_w, k_v):
+    """One participant's round: FedAvg's steps from ``w`` and the personal steps of ``v``.
+
+    ``steps = (E, P)``: the global and the personal steps; ``k_w`` and ``k_v`` are the
+    keys of their minibatches. Returns ``(w_i, v, loss)``.
+    """
+    E, P = steps
+    w_i, _ = local_sgd(
+        loss, w, x, y, count, k_w, steps=E, learning_rate=learning_rate, batch_size=B
+    )
+    flags = personalized_flags(personalized, w)
+    shrink = _shrink(lam, plr)
+
+    def step(v, e):
+        xb, yb, mb = C.client_batch(jax.random.fold_in(k_v, e), x, y, count, B)
+        value, g = jax.value_and_grad(loss)(v, xb, yb, mb)
+
+        def leaf(f, a, b, c):
+            if not f:
+                return c
+            return (c + shrink * (a - plr * b - c)).astype(a.dtype)
+
+        return jax.tree.map(leaf, flags, v, g, w), value
+
+    v, values = lax.scan(step, _combine(flags, v, w), jnp.arange(P))
+    return w_i, v, values[0]
 
 
 def ditto(
@@ -109,33 +143,7 @@ def ditto(
     C.check_weights(weights)
     check_personalized(personalized)
 
-    def flags_like(params):
-        return personalized_flags(personalized, params)
-
-    def combine(flags, v, w):
-        """Personal leaves from ``v``, the others from ``w`` (same shapes)."""
-        return jax.tree.map(lambda f, a, b: a if f else b, flags, v, w)
-
-    def client(w, v, x, y, count, key_global, key_personal):
-        w_i, _ = local_sgd(
-            loss, w, x, y, count, key_global, steps=E, learning_rate=learning_rate, batch_size=B
-        )
-        flags = flags_like(w)
-        shrink = _shrink(lam, plr)
-
-        def step(v, e):
-            xb, yb, mb = C.client_batch(jax.random.fold_in(key_personal, e), x, y, count, B)
-            value, g = jax.value_and_grad(loss)(v, xb, yb, mb)
-
-            def leaf(f, a, b, c):
-                if not f:
-                    return c
-                return (c + shrink * (a - plr * b - c)).astype(a.dtype)
-
-            return jax.tree.map(leaf, flags, v, g, w), value
-
-        v, values = lax.scan(step, combine(flags, v, w), jnp.arange(P))
-        return w_i, v, values[0]
+    client = functools.partial(_client, loss, personalized, lam, learning_rate, plr, (E, P), B)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
@@ -163,7 +171,7 @@ def ditto(
         a_s = alpha[idx]
         w = C.weighted_mean(w_rows, a_s)
         personal = C.scatter(state.params, idx, v_rows)
-        params = combine(flags_like(w), personal, C.broadcast(w, n))
+        params = _combine(personalized_flags(personalized, w), personal, C.broadcast(w, n))
         info = C.round_info(values, a_s, mask, C.all_finite(values, w_rows, v_rows, w))
         return state._replace(params=params, extra=w, round=state.round + 1), info
 

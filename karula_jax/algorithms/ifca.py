@@ -50,6 +50,30 @@ def ifca_assign(loss: LossFn, clusters: Any, data: ClientData) -> jnp.ndarray:
     return jnp.argmin(losses, axis=1).astype(jnp.int32)
 
 
+def _check_initial_clusters(initial_clusters, k: int) -> None:
+    if initial_clusters is None:
+        return
+    for leaf in jax.tree.leaves(initial_clusters):
+        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != k:
+            raise ValueError(
+                f"initial_clusters leaves must have leading axis num_clusters={k}, "
+                f"got shape {jnp.shape(leaf)}"
+            )
+        C.check_finite("initial_clusters", leaf)
+
+
+def _perturbed_clusters(params, key, k: int, init_scale):
+    """``k`` clusters, leaves ``[k, ...]``: ``params``, then ``params`` plus noise."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    noisy = []
+    for leaf, kk in zip(leaves, keys, strict=True):
+        leaf = jnp.asarray(leaf)
+        noise = init_scale * jax.random.normal(kk, (k, *leaf.shape), leaf.dtype)
+        noisy.append(leaf[None] + noise.at[0].set(0))
+    return jax.tree.unflatten(treedef, noisy)
+
+
 def ifca(
     loss: LossFn,
     *,
@@ -101,14 +125,7 @@ def ifca(
     E = C.check_positive_int("local_steps", local_steps)
     C.check_nonnegative("init_scale", init_scale)
     C.check_weights(weights)
-    if initial_clusters is not None:
-        for leaf in jax.tree.leaves(initial_clusters):
-            if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != k:
-                raise ValueError(
-                    f"initial_clusters leaves must have leading axis num_clusters={k}, "
-                    f"got shape {jnp.shape(leaf)}"
-                )
-            C.check_finite("initial_clusters", leaf)
+    _check_initial_clusters(initial_clusters, k)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
@@ -120,14 +137,7 @@ def ifca(
             first = jax.tree.map(lambda c: c[0], clusters)
             C.check_params(loss, first, data, name="initial_clusters")
         else:
-            leaves, treedef = jax.tree.flatten(params)
-            keys = jax.random.split(key_init, len(leaves))
-            noisy = []
-            for leaf, kk in zip(leaves, keys, strict=True):
-                leaf = jnp.asarray(leaf)
-                noise = init_scale * jax.random.normal(kk, (k, *leaf.shape), leaf.dtype)
-                noisy.append(leaf[None] + noise.at[0].set(0))
-            clusters = jax.tree.unflatten(treedef, noisy)
+            clusters = _perturbed_clusters(params, key_init, k, init_scale)
         assignment = ifca_assign(loss, clusters, data)
         return FedState(
             params=C.gather(clusters, assignment),

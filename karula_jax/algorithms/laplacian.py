@@ -133,6 +133,32 @@ def _shrink_factors(lam, eta, mu) -> jnp.ndarray:
     return jnp.where(lam > 0, jnp.where(mu_inf, 1.0, finite), 0.0)
 
 
+def _weight_matrix(D, graph_weights, n: int):
+    """The graph's weights ``W`` ``[n, n]``: float64 numpy when known, else float32."""
+    if graph_weights is None:
+        d = C.concrete(D)
+        return weights_numpy(d) if d is not None else _default_weights(D)
+    W = graph_weights(D) if callable(graph_weights) else graph_weights
+    _check_weight_matrix(W, n)
+    w = C.concrete(W)
+    return np.asarray(w, np.float64) if w is not None else jnp.asarray(W, jnp.float32)
+
+
+def _prox(theta_half, flags, h, U):
+    """The penalty's proximal step ``(I - U diag(h) U^T) theta_half`` on personalized
+    leaves; shared leaves take the mean over clients."""
+
+    def leaf(flag, a):
+        if not flag:  # shared: the consensus step, exactly the mean
+            return jnp.broadcast_to(jnp.mean(a, axis=0), a.shape)
+        x = a.reshape(a.shape[0], -1)
+        Ua = U.astype(x.dtype)
+        move = Ua @ (h.astype(x.dtype)[:, None] * (Ua.T @ x))
+        return (x - move).reshape(a.shape)
+
+    return jax.tree.map(leaf, flags, theta_half)
+
+
 def laplacian_penalty(
     loss: LossFn,
     D,
@@ -207,15 +233,7 @@ def laplacian_penalty(
     C.check_weights(weights)
     check_personalized(personalized)
     n = jnp.shape(D)[0]
-    if graph_weights is None:
-        d = C.concrete(D)
-        W = weights_numpy(d) if d is not None else _default_weights(D)
-    else:
-        W = graph_weights(D) if callable(graph_weights) else graph_weights
-        _check_weight_matrix(W, n)
-        w = C.concrete(W)
-        W = np.asarray(w, np.float64) if w is not None else jnp.asarray(W, jnp.float32)
-    lam, U = _spectrum(W)
+    lam, U = _spectrum(_weight_matrix(D, graph_weights, n))
     D = jnp.asarray(D, jnp.float32)
     mu = jnp.asarray(mu, jnp.float32)
 
@@ -226,19 +244,6 @@ def laplacian_penalty(
 
     def _flags(params):
         return personalized_flags(personalized, params)
-
-    def _prox(theta_half, eta):
-        h = _shrink_factors(lam, eta, mu)
-
-        def leaf(flag, a):
-            if not flag:  # shared: the consensus step, exactly the mean
-                return jnp.broadcast_to(jnp.mean(a, axis=0), a.shape)
-            x = a.reshape(n, -1)
-            Ua = U.astype(x.dtype)
-            move = Ua @ (h.astype(x.dtype)[:, None] * (Ua.T @ x))
-            return (x - move).reshape(a.shape)
-
-        return jax.tree.map(leaf, _flags(theta_half), theta_half)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
@@ -266,7 +271,7 @@ def laplacian_penalty(
         )
         eta = learning_rate
         theta_half = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
-        theta = _prox(theta_half, eta)
+        theta = _prox(theta_half, _flags(theta_half), _shrink_factors(lam, eta, mu), U)
         info = C.round_info(values, a_s, mask, C.all_finite(values, G, theta))
         return state._replace(params=theta, memory=memory, round=state.round + 1), info
 

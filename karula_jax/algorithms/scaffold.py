@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,6 +19,34 @@ from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
 __all__ = ["scaffold"]
+
+
+def _client(loss, learning_rate, E, B, x0, correction, xd, yd, count, key):
+    """``E`` steps ``y <- y - lr (g(y) + correction)`` with ``correction = c - c_i``."""
+
+    def step(p, e):
+        xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), xd, yd, count, B)
+        value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
+        p = jax.tree.map(lambda a, b, d: a - learning_rate * (b + d), p, g, correction)
+        return p, value
+
+    y, values = lax.scan(step, x0, jnp.arange(E))
+    return y, values[0]
+
+
+def _new_controls(flags, c_rows, delta, correction, E, learning_rate):
+    """Option II controls ``c_i+`` of the participants, 0 on personalized leaves.
+
+    ``c_i+ = c_i - c + (x - y) / (E lr) = -(c - c_i) - (y - x) / (E lr)``; a zero
+    ``E lr`` (a traced learning rate of 0) leaves ``c_i+ = c_i - c``.
+    """
+    denom = E * jnp.asarray(learning_rate, jnp.float32)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+    def new_control(f, ci, d, cor):
+        return jnp.zeros_like(ci) if f else (-cor - inv * d).astype(ci.dtype)
+
+    return jax.tree.map(new_control, flags, c_rows, delta, correction)
 
 
 def scaffold(
@@ -84,17 +113,7 @@ def scaffold(
     C.check_weights(weights)
     check_personalized(personalized)
 
-    def client(x0, correction, xd, yd, count, key):
-        """``E`` steps ``y <- y - lr (g(y) + correction)`` with ``correction = c - c_i``."""
-
-        def step(p, e):
-            xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), xd, yd, count, B)
-            value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
-            p = jax.tree.map(lambda a, b, d: a - learning_rate * (b + d), p, g, correction)
-            return p, value
-
-        y, values = lax.scan(step, x0, jnp.arange(E))
-        return y, values[0]
+    client = functools.partial(_client, loss, learning_rate, E, B)
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)
@@ -123,15 +142,8 @@ def scaffold(
             x_rows, correction, data.x[idx], data.y[idx], data.counts[idx], keys
         )
         delta = jax.tree.map(lambda y, x: y - x, y_rows, x_rows)  # y_i - x, [s, ...]
-        denom = E * jnp.asarray(learning_rate, jnp.float32)
-        inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
         flags = personalized_flags(personalized, c)
-
-        def new_control(f, ci, d, cor):
-            # c_i+ = c_i - c + (x - y) / (E lr) = -(c - c_i) - (y - x) / (E lr)
-            return jnp.zeros_like(ci) if f else (-cor - inv * d).astype(ci.dtype)
-
-        c_plus = jax.tree.map(new_control, flags, c_rows, delta, correction)
+        c_plus = _new_controls(flags, c_rows, delta, correction, E, learning_rate)
         total = jnp.sum(alpha)
         c = jax.tree.map(
             lambda cs, cp, ci: cs + jnp.tensordot(a_s, cp - ci, axes=1).astype(cs.dtype) / total,
