@@ -5,9 +5,7 @@ about 2e5 flops into chunks on XLA's intra-op thread pool, and the calling threa
 pool thread, blocks until they finish. When as many such calls run at once as the pool has
 threads (2 on a 2-core machine: e.g. two independent inverses in a vmapped while loop,
 which XLA's thunk executor starts concurrently), every thread blocks and the program hangs
-(a vmapped batch of 32 Laplacian projections at n = 30 hung in 4 of 25 fresh processes
-with ``jnp.linalg`` and in 0 of 90 with these functions; gdb put both pool threads in
-``jax::ParallelBatchMap`` under ``lapack_sgetrf_ffi`` and ``lapack_strsm_ffi``). Later
+(the reproducer and how often it hung: ``docs/implementation_notes.md``). Later
 open-source jaxlib builds no longer parallelize these calls.
 
 The functions here batch, under ``jax.vmap`` or over leading axes, as a loop of unbatched

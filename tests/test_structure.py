@@ -1,4 +1,6 @@
-"""Private stays private: no module of ``karula_jax`` uses another module's ``_name``.
+"""The library's structure: private names, function length, what docstrings carry.
+
+Private stays private: no module of ``karula_jax`` uses another module's ``_name``.
 
 What several modules share lives in a named internal module (``algorithms/_common``,
 ``_local``, ``_graph``, ``karula_jax/_checks``, ``_linalg``) under public names; importing
@@ -6,12 +8,17 @@ such a module is fine, importing or reading a name that starts with ``_`` from a
 module is not. The check reads every source file with ``ast`` (nothing is imported) and
 sees both forms: ``from karula_jax.x import _name`` and ``module._name`` on a module
 imported from ``karula_jax``.
+
+No library function is over 120 lines (docstring included), and docstrings state
+contracts: no measurement, no file outside the repository; a ``docs/`` or ``results/``
+page they cite exists (issue 26 item 5).
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import karula_jax.algorithms as A
 
@@ -127,3 +134,109 @@ def test_algorithms_all_is_what_a_user_calls():
     }
     assert not internals & set(A.__all__)
     assert {"karula", "fedavg", "graph_laplacian", "graph_weights"} <= set(A.__all__)
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(name, lines)`` of the functions (methods and nested ones too) in ``source``
+    longer than ``limit`` lines, from ``def`` to the last line, docstring included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append((node.name, lines))
+    return found
+
+
+def test_no_library_function_over_120_lines():
+    found = {
+        f"{path.relative_to(REPO).as_posix()}:{name}": lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path.read_text())
+    }
+    assert not found, found
+
+
+def test_the_length_check_sees_a_planted_long_function():
+    def planted(body_lines: int, indent: str = "") -> str:
+        body = "".join(f"{indent}    x{i} = {i}\n" for i in range(body_lines))
+        return f"{indent}def f():\n{body}"
+
+    assert long_functions(planted(120)) == [("f", 121)]
+    assert long_functions(planted(119)) == []  # exactly 120 lines is allowed
+    assert long_functions("class A:\n" + planted(120, "    ")) == [("f", 121)]
+    nested = "def outer():\n" + planted(120, "    ") + "    return f\n"
+    assert long_functions(nested) == [("outer", 123), ("f", 121)]
+
+
+# What a docstring must not carry: a path outside the repository, or a measurement.
+OUTSIDE_REPO = re.compile(r"\.\./shared|DESIGN(\.md|\s*§)")
+MEASUREMENT = re.compile(
+    r"\bMeasured\b|\bmeasured (over|on|in) (seeds|\d)"
+    r"|\b\d+(\.\d+)?\s*(ms|µs|GB|MB)\b"
+    r"|\b\d+(\.\d+)?x (faster|slower|[A-Z]\w*'s)"
+    r"|\bhung in \d+ of \d+"
+)
+# A page of the repository that a docstring cites by relative path.
+CITED_PAGE = re.compile(r"\b((?:docs|results)/[\w./-]+\.md)\b")
+
+
+def docstrings(source: str):
+    """``(name, docstring)`` of the module, its classes and its functions."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield getattr(node, "name", "<module>"), doc
+
+
+def docstring_problems(source: str, root: pathlib.Path = REPO) -> list[str]:
+    problems = []
+    for name, doc in docstrings(source):
+        for what, pattern in (
+            ("outside the repository", OUTSIDE_REPO),
+            ("a measurement", MEASUREMENT),
+        ):
+            problems += [f"{name}: {what}: {m.group(0)!r}" for m in pattern.finditer(doc)]
+        for page in CITED_PAGE.findall(doc):
+            if not (root / page).is_file():
+                problems.append(f"{name}: cites {page}, which does not exist")
+    return problems
+
+
+def test_library_docstrings_state_contracts_not_measurements():
+    found = {
+        path.relative_to(REPO).as_posix(): problems
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (problems := docstring_problems(path.read_text()))
+    }
+    assert not found, found
+
+
+def test_the_docstring_check_sees_planted_offenders():
+    planted = [
+        'def f():\n    """Step size, see ../shared/DESIGN.md."""',
+        '"""One round (DESIGN §4)."""',
+        'class A:\n    """Measured on 6 clients: converges."""',
+        'def f():\n    """Error about 9 (measured over seeds 0-4)."""',
+        'def f():\n    """A Karula round 1.8x FedAvg\'s."""',
+        'def f():\n    """about 25x slower than a matvec."""',
+        'def f():\n    """0.14 / 1.3 / 3.1 ms for n = 30 / 100 / 200."""',
+        'def f():\n    """its state is 2.5 GB at n = 1000."""',
+        'def f():\n    """it hung in 4 of 25 processes."""',
+        'def f():\n    """The derivation: ``docs/no_such_page.md``."""',
+    ]
+    for source in planted:
+        assert docstring_problems(source), source
+    clean = [
+        'def f():\n    """See ``docs/karula.md``; findings: ``results/bench/README.md``."""',
+        'def f():\n    """``2**20`` floats (4 MiB in float32); the violation is measured on it."""',
+        'def f():\n    """timings: seconds spent compiling (``compile_s``)."""',
+        'def f():\n    x = "Measured 3 ms"  # not a docstring\n',
+    ]
+    for source in clean:
+        assert not docstring_problems(source), source

@@ -46,17 +46,8 @@ def choose_method(n: int, p: int) -> str:
 
     ``"dykstra"`` when ``n <= 5`` and its dual state ``n(n-1)/2 * p`` has at most
     ``2**20`` floats (4 MiB in float32), else ``"laplacian"``, whose state is ``n^2``
-    scalars. Measured (``experiments/bench_solvers.py``: vmapped ridge Karula runs,
-    seeds x a t grid, 200 warm-started rounds): Dykstra is faster at n = 4, where its
-    sweeps are tiny; the Laplacian dual from n = 6, and Dykstra hits its iteration cap
-    from n = 16 on. On single problems the Laplacian dual is faster too (n = 30, p = 1010,
-    stress t: a Karula round 1.8x FedAvg's, against 2.5x with Dykstra) and meets its
-    tolerance on more cold random instances (``bench_projection``'s robustness table).
-    Its rare stops above tolerance are float32 line-search stops within 5% of it (true
-    gap at most 1.12e-6 of S against cvxpy); the output is feasible either way. At
-    n = 100 (FEMNIST-shaped, stress t) a Dykstra projection cost 3x a Laplacian one, and
-    its state is 2.5 GB at n = 1000. (Vmapped Laplacian solves once hung the CPU runtime:
-    jaxlib's batched LAPACK calls, now run one matrix at a time, see ``karula_jax._linalg``.)
+    scalars. The measurements behind these thresholds: ``results/bench/README.md``
+    (section "Which solver auto picks").
     """
     small = n <= _DYKSTRA_MAX_N and n * (n - 1) // 2 * p <= _DYKSTRA_MAX_FLOATS
     return "dykstra" if small else "laplacian"
@@ -416,11 +407,9 @@ def project(
         factory. None is refused.
       method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
         (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or ``"laplacian"`` (dual
-        ascent on the ``n x n`` multipliers; for many clients); ``"auto"``: the first for
-        small problems, the second otherwise (:func:`choose_method`, from the static ``n``
-        and ``p``); ``"none"``: no projection at all (for ablations and timing: ``v`` is
-        returned as is, shared leaves included, with a report of zeros and ``warm_start``,
-        of any solver, passed through; the result is not feasible in general).
+        ascent on the ``n x n`` multipliers); ``"auto"``: :func:`choose_method` of the
+        static ``n`` and ``p``; ``"none"``: no projection (an ablation: ``v`` is returned
+        as is, with a report of zeros and ``warm_start``, of any solver, passed through).
       tol: stop when ``delta <= tol * S``, ``S = 1/2 sum_i ||v_i - mean(v)||^2`` over
         the personalized leaves (the objective of collapsing to the mean).
       max_iter: iteration cap (the loop checks the certificate every 10 iterations).

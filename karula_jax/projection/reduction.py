@@ -15,7 +15,8 @@ def client_mean(x):
     """Mean over the leading client axis as one matrix-vector product.
 
     XLA:CPU runs ``jnp.mean(x, axis=0)`` on a wide leaf (e.g. a shared ``[30, 784, 100]``
-    layer) as a slow strided reduction, about 25x slower than the same sum as a BLAS matvec.
+    layer) as a strided reduction, slower than the same sum as a BLAS matvec
+    (``docs/implementation_notes.md``).
     """
     n = x.shape[0]
     flat = jnp.reshape(x, (n, -1))
@@ -72,8 +73,8 @@ def _span_basis(a):
 
     Householder QR of ``a^T``: ``Q`` is orthonormal even when ``a`` is rank deficient (then
     some columns are directions no row uses, on which every row has coordinate 0), so
-    ``a @ Q`` keeps every distance. (One LAPACK call: several times faster on the CPU than
-    Gram-Schmidt's ``n`` sequential steps.)
+    ``a @ Q`` keeps every distance. (One LAPACK call instead of Gram-Schmidt's ``n``
+    sequential steps: ``docs/implementation_notes.md``.)
     """
     return _linalg.qr_q(a.T)
 

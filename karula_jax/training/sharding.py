@@ -1,4 +1,4 @@
-"""Placing runs on a device mesh (DESIGN §8): the client axis or the batch axis.
+"""Placing runs on a device mesh: the client axis or the batch axis.
 
 Two axes can be split over the devices of a 1-D mesh:
 
@@ -33,7 +33,7 @@ __all__ = ["client_mesh", "gather_to_host", "shard_leading_axis"]
 
 
 def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
-    """A 1-D device mesh for the client or batch axis (DESIGN §8).
+    """A 1-D device mesh for the client or batch axis.
 
     Args:
       devices: devices to use; all of ``jax.devices()`` by default.
