@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 def _compare_sharded_and_unsharded() -> dict:
     """Runs in the 4-device subprocess; returns what the test asserts on."""
     sys.path.insert(0, str(HERE))
-    from test_training import eval_fn, make_data, toy  # the toy algorithm of the driver tests
+    from _training_helpers import eval_fn, make_data, toy  # the toy algorithm of the driver tests
 
     assert len(jax.devices()) == 4, jax.devices()
     mesh = training.client_mesh()
