@@ -389,10 +389,9 @@ def project(
     ``v`` and ``radii_sq`` run only when they are concrete; under tracing a NaN/inf in
     ``v`` ends the solver at once with ``info.converged = False`` and a NaN ``delta``.
 
-    Dtypes: the problem is solved in the widest dtype of the personalized leaves, at
-    least float32 (float16/bfloat16 leaves are promoted, then rounded back, and
-    ``info.max_violation`` is measured on the rounded result). Integer leaves come back
-    as floats.
+    Dtypes: solved in the widest dtype of the personalized leaves, at least float32
+    (float16/bfloat16 leaves are promoted, then rounded back, and ``info.max_violation``
+    is that of the rounded result). Integer leaves come back as floats.
 
     Always check ``info.converged``: a solver that hits ``max_iter`` returns a feasible
     point whose suboptimality is ``info.delta``, larger than requested.
@@ -401,10 +400,9 @@ def project(
       v: pytree of arrays with a leading client axis ``[n, ...]``.
       radii_sq: array ``[n, n]``, squared radii ``t * D``: symmetric, ``>= 0``, ``inf``
         for no constraint; the diagonal is ignored. Zero radii merge clients exactly.
-      personalized: True (default: every leaf constrained), False (every leaf shared) or
-        a pytree of Python bools with the structure of ``v`` (True: constrained leaf;
-        False: shared leaf, set to the mean), the meaning it has in every algorithm
-        factory. None is refused.
+      personalized: True (default: every leaf constrained), False (every leaf shared,
+        set to the mean) or a pytree of Python bools like ``v`` (True: constrained, False:
+        shared), the meaning it has in every algorithm factory. None is refused.
       method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
         (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or ``"laplacian"`` (dual
         ascent on the ``n x n`` multipliers); ``"auto"``: :func:`choose_method` of the
