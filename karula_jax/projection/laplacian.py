@@ -47,9 +47,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     tiny = jnp.finfo(red.w.dtype).tiny
     eps = jnp.finfo(red.w.dtype).eps
     lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
-    # Inside the loop distances come from the Gram matrix (cheap); the final certificate
-    # and the restoration measure them exactly (below ``_GRAM_ABOVE`` clients).
-    evaluate = functools.partial(dual_eval, red=red, gram=True)
     pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
 
     def kkt(lam, ev):
@@ -80,7 +77,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         newton = jnp.where(free, s, jnp.where(active, diag_step, 0.0))
         return newton, jnp.where(mask, diag_step, 0.0)
 
-    def line_search(lam, ev, s, running):
+    def line_search(lam, ev, s, running, evaluate):
         def trial(alpha):
             new = jnp.maximum(lam + alpha * s, 0.0)
             ev_new = evaluate(new)
@@ -106,33 +103,47 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         out = jax.lax.while_loop(cond, body, (2.0, lam, ev, jnp.array(False), 0))
         return out[1], out[2], out[3]
 
-    def cond(c):
-        return (~c[4]) & (c[3] < max_iter)
+    def ascend(lam, ev, it, stopped, evaluate):
+        """Newton iterations from ``lam`` (``ev`` its evaluation) until the certificate
+        meets ``tol``, ``it`` reaches ``max_iter`` or a line search fails."""
 
-    def body(c):
-        lam, ev, _, it, done, _ = c
-        # Under vmap the members that have stopped still run this body (their results
-        # are dropped); ``running`` keeps them from holding the inner loops open (a member
-        # stopped by a failed line search would otherwise add 60 evaluations to every
-        # later iteration of the batch). Unbatched, ``done`` is always False here.
-        running = ~done
-        s, s_diag = direction(lam, ev, running)
-        new, ev_new, ok = line_search(lam, ev, s, running)
-        # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
-        new, ev_new, ok = jax.lax.cond(
-            ok, lambda: (new, ev_new, ok), lambda: line_search(lam, ev, s_diag, running & ~ok)
-        )
-        lam = jnp.where(ok, new, lam)
-        ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
+        def cond(c):
+            return (~c[4]) & (c[3] < max_iter)
+
+        def body(c):
+            lam, ev, _, it, done, _ = c
+            # Under vmap the members that have stopped still run this body (results
+            # dropped); ``running`` keeps them from holding the inner loops open.
+            running = ~done
+            s, s_diag = direction(lam, ev, running)
+            new, ev_new, ok = line_search(lam, ev, s, running, evaluate)
+            # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
+            new, ev_new, ok = jax.lax.cond(
+                ok,
+                lambda: (new, ev_new, ok),
+                lambda: line_search(lam, ev, s_diag, running & ~ok, evaluate),
+            )
+            lam = jnp.where(ok, new, lam)
+            ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
+            _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
+            # A failed line search means float precision is exhausted: stop there.
+            return lam, ev, delta, it + 1, should_stop(delta, red, tol) | ~ok, ok
+
         _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
-        # A failed line search means float precision is exhausted: stop there.
-        return lam, ev, delta, it + 1, should_stop(delta, red, tol) | ~ok, ok
+        init = (lam, ev, delta, it, should_stop(delta, red, tol) | stopped, jnp.array(True))
+        lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
+        return lam, ev, it
 
-    ev = evaluate(lam0)
-    _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
-    init = (lam0, ev, delta, jnp.int32(0), should_stop(delta, red, tol) | skip, jnp.array(True))
-    lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
-    th, delta = restore_and_certify(ev.th, dual_eval(lam, red, gram=gram, certify=True).g, red)
+    # Phase 1: distances inside the evaluations from the Gram matrix (one product).
+    fast = functools.partial(dual_eval, red=red, gram=True)
+    lam, ev, it = ascend(lam0, fast(lam0), jnp.int32(0), skip, fast)
+    # Phase 2: certified evaluations with exact distances (below ``_GRAM_ABOVE`` clients)
+    # from where phase 1 stopped. Its first evaluation is the final certificate; it
+    # iterates only where that certificate misses ``tol`` after phase 1's cheaper values
+    # met it (rare, float32 near ``tol``), so under vmap it usually takes no trip.
+    exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
+    lam, ev, it = ascend(lam, exact(lam), it, skip, exact)
+    th, delta = restore_and_certify(ev.th, ev.g, red)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
