@@ -9,15 +9,6 @@ import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Under xdist the workers already keep the cores busy: each runs XLA's Eigen products on
-# one thread instead of contending with the other worker's threads (set before JAX makes
-# its CPU client; subprocesses of the tests inherit it).
-if os.environ.get("PYTEST_XDIST_WORKER") and "xla_cpu_multi_thread_eigen" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-    ).strip()
 
 # One on-disk compilation cache per test run, shared by the xdist workers (they inherit the
 # environment of the process that loads this file first): many tests compile the same
