@@ -16,8 +16,9 @@ from karula_jax.data import synthetic_ridge
 
 # The quick run's seeded results (summary["methods"]), to catch a wrong step, weighting or
 # CV choice that leaves the numbers finite and in range. Both are continuous: rtol 1e-3 is
-# far above float noise across machines. Refresh after a deliberate change of the numerics:
-# run the test's command and copy the new values.
+# far above float noise across machines (2e-2 for Karula's capped projections, see below).
+# Refresh after a deliberate change of the numerics: run the test's command and copy the new
+# values.
 # method: (estimation error per seed, test R^2 per seed)
 PINNED = {
     "Local": ((38.6068, 42.0003), (0.664778, 0.623728)),
@@ -114,8 +115,12 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     got = summary["methods"]
     assert set(got) == set(PINNED)
     for m, (error, r2) in PINNED.items():
-        np.testing.assert_allclose(got[m]["estimation_error"], error, rtol=1e-3, err_msg=m)
-        np.testing.assert_allclose(got[m]["test_r2"], r2, rtol=1e-3, err_msg=m)
+        # Karula's rows: the study caps each projection at 10 iterations, so where a capped
+        # solve ends moves with the float rounding of its products (single- vs multi-threaded
+        # Eigen moved the true-D row by 0.7%); still far below the gaps between methods.
+        rtol = 2e-2 if m.startswith("Karula") else 1e-3
+        np.testing.assert_allclose(got[m]["estimation_error"], error, rtol=rtol, err_msg=m)
+        np.testing.assert_allclose(got[m]["test_r2"], r2, rtol=rtol, err_msg=m)
         chosen = [c.removesuffix(" [edge]") for c in got[m]["chosen"]]  # edge: not pinned
         assert chosen == PINNED_CHOICES.get(m, ["", ""]), m
 
