@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["eigh", "eigvalsh", "inv", "inv_dominant", "qr_q"]
+__all__ = ["eigh", "eigvalsh", "inv_dominant", "qr_q"]
 
 
 def _unbatched_on_cpu(fn):
@@ -51,9 +51,6 @@ def _unbatched_on_cpu(fn):
 
     return wrapped
 
-
-inv = _unbatched_on_cpu(lambda a: jnp.linalg.inv(a))
-inv.__doc__ = "``jnp.linalg.inv`` of ``[..., n, n]``; batches never use jaxlib's thread pool."
 
 eigh = _unbatched_on_cpu(lambda a: tuple(jnp.linalg.eigh(a)))
 eigh.__doc__ = "``jnp.linalg.eigh`` of ``[..., n, n]`` as ``(w, v)``; batches run unbatched on CPU."
