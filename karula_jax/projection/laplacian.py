@@ -24,6 +24,8 @@ _CG_MAX_ITER_LARGE = 5
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
 _GRAM_ABOVE = 96
+# See ``direction``: the share of the largest violation at which a pair at 0 enters.
+_ENTER = 0.25
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
@@ -68,13 +70,23 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         pre = hdiag + mu
         diag_step = ev.grad / pre
         active = mask & (ev.grad < 0) & (lam + diag_step <= 0)
+        # A pair at 0 that its constraint violates enters the Newton system only when its
+        # violation is within a factor _ENTER of the largest such violation: letting every
+        # slightly violated pair in at once overshoots, and the active set oscillates.
+        rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
+        waiting = mask & (lam <= 0) & (ev.grad > 0)
+        cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
+        active = active | (waiting & (rel < cut))
         free = mask & ~active
-        b = jnp.where(free, ev.grad, 0.0)
+        # The fixed pairs go to 0 (step -lam); the free pairs' Newton system accounts for
+        # that move: H_FF s_F = -(grad_F + H_FA s_A), with H = -hvp.
+        s_fixed = jnp.where(active, -lam, 0.0)
+        b = jnp.where(free, ev.grad - hvp(ev, a_inv, s_fixed), 0.0)
         op = lambda x: jnp.where(free, hvp(ev, a_inv, x) + mu * x, 0.0)
         s = _pcg(
             op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter, running=running
         )
-        newton = jnp.where(free, s, jnp.where(active, diag_step, 0.0))
+        newton = jnp.where(free, s, s_fixed)
         return newton, jnp.where(mask, diag_step, 0.0)
 
     def line_search(lam, ev, s, running, evaluate):
