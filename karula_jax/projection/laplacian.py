@@ -19,7 +19,7 @@ __all__ = ["solve"]
 
 # Conjugate-gradient steps per Newton step; fewer for many clients, where one
 # Hessian-vector product costs O(n^3).
-_CG_MAX_ITER = 20
+_CG_MAX_ITER = 10
 _CG_MAX_ITER_LARGE = 5
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
