@@ -1,5 +1,8 @@
 """The comparison protocol: stacked CV data sets, grids, cross-validated selection."""
 
+import sys
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -381,6 +384,58 @@ def test_compare_runs_cross_validate_per_method_and_logs_each():
         want = cross_validate(m, jnp.zeros(2), cv, **kw)
         np.testing.assert_array_equal(out[name].chosen, want.chosen)
         np.testing.assert_allclose(out[name].metrics["mse"], want.metrics["mse"], rtol=1e-6)
+
+
+def test_compare_shows_each_methods_progress_and_warns_once_per_capped_method(capsys):
+    """Every run draws a bar of rounds; a projection stopped at its cap in every round of
+    two static grid points gives one warning for the method, after its bars and before
+    its log line (not one per round or per run).
+
+    The capped projection is simulated (local training whose rounds report an unconverged
+    projection): a real one would spend the test's time compiling Karula."""
+    S, K, R = 2, 2, 12
+    train = stack_datasets([_data(s, (8, 6, 10)) for s in range(S)])
+    test = stack_datasets([_data(10 + s, (4, 4, 4)) for s in range(S)])
+    cv = cv_datasets(train, test, K, key=jax.random.split(jax.random.key(1), S))
+    loss, linear = ridge_loss(0.01), lambda th, x: x @ th
+
+    def capped(lr, max_iter):
+        alg = A.local(loss, learning_rate=lr, batch_size=10)
+
+        def round_(state, data):
+            state, info = alg.round(state, data)
+            gap = jnp.float32(1e-3 / max_iter)
+            return state, info._replace(proj_converged=jnp.asarray(False), proj_delta=gap)
+
+        return alg._replace(round=round_)
+
+    lr = {"lr": np.array([0.1, 0.5], np.float32)}
+    methods = {"capped": Method(capped, lr, static_grid=[{"max_iter": 1}, {"max_iter": 2}])}
+    log = lambda line: sys.stderr.write(f"LOG {line}\n")
+    kw = dict(keys=jax.random.split(jax.random.key(2), S), num_rounds=R, log=log)
+    kw |= dict(eval_fn=lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)})
+    kw |= dict(score=lambda m: m["mse"].mean(-1))
+
+    def show(message, category, *args, **kwargs):
+        sys.stderr.write(f"\nWARNING {category.__name__}: {message}\n")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        out = compare(methods, jnp.zeros(2), cv, **kw)
+    err = capsys.readouterr().err
+    found = [line for line in err.splitlines() if line.startswith("WARNING")]
+    assert len(found) == 1, found
+    assert found[0].startswith("WARNING ProjectionNotConvergedWarning: [1/1] capped: ")
+    assert "max_iter=1: projection: worst certified gap 0.001" in found[0]
+    assert "max_iter=2: projection: worst certified gap 0.0005" in found[0]
+    assert f"{R} of {R} rounds unconverged" in found[0]
+    assert "unconverged" in out["capped"].diagnostics
+    # every run's bar, to the last round, labelled by its method; then the warning
+    bars = ["[1/1] capped max_iter=1: 6x2 runs", "[1/1] capped max_iter=2: 6x2 runs"]
+    for bar in bars:
+        assert f"{bar}: 100%|██████████| {R}/{R}" in err
+    assert err.rindex(bars[1]) < err.index(found[0]) < err.index("LOG capped")
 
 
 def test_cluster_labels_stack_each_members_clusters():

@@ -6,6 +6,12 @@ every fold and on the full training rows at every grid point, the grid point wit
 best validation score (:func:`karula_jax.evaluation.select_by_cv`) is chosen per seed, and
 the seed's result is the final fit at that point, scored on its test rows. A method
 without hyperparameters is trained on the final fits only.
+
+A method's runs draw a progress bar of rounds (updated ``PROGRESS_UPDATES`` times per
+run, one bar per entry of a static grid). Rounds whose projection stopped at its
+iteration cap are collected over all of a method's runs and reported once, after its
+last run: one :class:`~karula_jax.training.ProjectionNotConvergedWarning` per method, as
+:func:`~karula_jax.training.run` warns once per run.
 """
 
 from __future__ import annotations
@@ -22,14 +28,12 @@ import numpy as np
 from karula_jax import evaluation as ev
 from karula_jax.protocol.datasets import CVData
 from karula_jax.protocol.methods import Method
-from karula_jax.training import (
-    ProjectionNotConvergedWarning,
-    describe_diagnostics,
-    progress_bar,
-    run_many,
-)
+from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
 
 __all__ = ["CVOutcome", "compare", "cross_validate"]
+
+# How often a method's progress bar advances during one run (its chunks of rounds).
+PROGRESS_UPDATES = 10
 
 
 class CVOutcome(NamedTuple):
@@ -83,6 +87,7 @@ def cross_validate(
     maximize: bool = False,
     params_per_seed: bool = False,
     warn_unconverged: bool = True,
+    desc: str | None = None,
     **run_kwargs,
 ) -> CVOutcome:
     """Trains ``method`` on every member and grid point, picks a point per seed by CV.
@@ -102,9 +107,14 @@ def cross_validate(
       fold_weights: optional ``[S, K]`` weights of the folds in the CV score.
       maximize: higher scores are better.
       params_per_seed: ``params`` has a seed axis.
-      warn_unconverged: warn about rounds whose projection stopped at its iteration cap
-        (a deliberately capped projection can turn this off; the report is still returned).
-      **run_kwargs: further options of :func:`karula_jax.training.run_many`.
+      warn_unconverged: warn, once after the method's last run, about the rounds whose
+        projection stopped at its iteration cap in some run (a deliberately capped
+        projection can turn this off; the report is still returned in ``diagnostics``).
+      desc: the method's name on its progress bars and in its warning.
+      **run_kwargs: further options of :func:`karula_jax.training.run_many`. Defaults
+        here: ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of
+        ``num_rounds`` (the bar advances after every chunk; results do not depend on the
+        chunk size), ``eval_every_chunk=False``, ``on_nonfinite="record"``.
 
     Returns:
       A :class:`CVOutcome`.
@@ -116,14 +126,16 @@ def cross_validate(
     members = np.arange(S * (K + 1)) if method.tuned else np.arange(S) * (K + 1) + K
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
-    options = dict(eval_every_chunk=False, chunk_size=num_rounds, on_nonfinite="record")
-    options |= dict(progress=False) | run_kwargs
+    chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
+    options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
+    options |= dict(progress=True) | run_kwargs
     t0 = time.perf_counter()
-    parts, reports = [], []
+    parts, reports, unconverged = [], [], []
     for static in method.static_grid or [{}]:
-        with warnings.catch_warnings():
-            if not warn_unconverged:
-                warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
+        point = ", ".join(f"{k}={v}" for k, v in static.items())
+        label = " ".join(x for x in (desc, point) if x) or None
+        with warnings.catch_warnings():  # collected here, reported once below
+            warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
             res = run_many(
                 functools.partial(method.make, **static),
                 per_member(params) if params_per_seed else params,
@@ -137,11 +149,13 @@ def cross_validate(
                 eval_fn=eval_fn,
                 eval_data=take(data.evals if eval_data is None else eval_data),
                 eval_data_per_seed=True,
+                desc=label,
                 **options,
             )
         d = res.diagnostics
         if d["unconverged_rounds"] or d["worst_proj_delta"] > 0:
-            reports.append(describe_diagnostics(d))
+            reports.append((f"{point}: " if point else "") + describe_diagnostics(d))
+        unconverged.append(bool(d["unconverged_rounds"]))
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
         m["finite"] = np.asarray(res.info.finite).all(axis=0)
         grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
@@ -156,6 +170,14 @@ def cross_validate(
         )
         chosen, cv_score = sel.index, sel.score
     grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
+    if warn_unconverged and any(unconverged):
+        warnings.warn(
+            f"{desc or 'cross_validate'}: the projection stopped at its iteration cap in some "
+            f"runs ({'; '.join(reports)}). The models are feasible but only approximately "
+            "projected: raise projection_max_iter (or projection_tol).",
+            ProjectionNotConvergedWarning,
+            stacklevel=2,
+        )
     return CVOutcome(
         metrics={k: v[np.arange(S), chosen] for k, v in grid_metrics.items()},
         grid_metrics=grid_metrics,
@@ -180,7 +202,12 @@ def compare(
     log: Callable[[str], None] = print,
     **options,
 ) -> dict[str, CVOutcome]:
-    """Cross-validates every method in turn (:func:`cross_validate`), with a progress bar.
+    """Cross-validates every method in turn (:func:`cross_validate`).
+
+    Each method's runs draw a progress bar of rounds labelled ``"[i/m] name"`` (pass
+    ``progress=False`` for none); a method whose projection stopped at its iteration cap
+    gets one :class:`~karula_jax.training.ProjectionNotConvergedWarning` after its runs
+    (unless ``warn_unconverged=False``), and its log line reports the worst gap.
 
     Args:
       methods: ``{name: Method}``, run in this order.
@@ -195,8 +222,9 @@ def compare(
       ``{name: CVOutcome}`` in the order of ``methods``.
     """
     outcomes = {}
-    for name in progress_bar(list(methods), desc="methods", unit="method"):
-        out = outcomes[name] = cross_validate(methods[name], params, data, **options)
+    for i, name in enumerate(methods):
+        desc = f"[{i + 1}/{len(methods)}] {name}"
+        out = outcomes[name] = cross_validate(methods[name], params, data, desc=desc, **options)
         if out.diagnostics:
             log(f"    {out.diagnostics}")
         chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""

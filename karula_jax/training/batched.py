@@ -428,6 +428,7 @@ def run_many(
     eval_data_per_seed: bool = False,
     mesh: Mesh | None = None,
     shard: str = "batch",
+    desc: str | None = None,
     **run_kwargs,
 ) -> RunResult:
     """Batch members x a hyperparameter grid as one compiled program per chunk.
@@ -446,11 +447,10 @@ def run_many(
     into the leading *member* axis ``[S]``: e.g. CV folds x seeds is ``S = folds * seeds``
     members, each with its own key, and its own data, initial model and factory
     arguments where ``data_per_seed``/``params_per_seed``/``batch_kwargs`` say so. The
-    grid ``hyper`` (``[G]`` values per name) is crossed on top of every member (shapes
-    of the results: Returns). Every grid point of a member uses the member's key.
+    grid ``hyper`` (``[G]`` values per name) is crossed on every member, each grid point
+    with the member's key (shapes of the results: Returns).
 
-    A worked example (CV folds x seeds x a grid of ``t``) and the memory a batch needs
-    (about ``S * G`` times one :func:`run`'s): ``docs/batched_runs.md``.
+    A worked example and the memory a batch needs (``S * G`` runs'): ``docs/batched_runs.md``.
 
     Args:
       make_algorithm: ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``,
@@ -482,6 +482,7 @@ def run_many(
         the mesh size) or ``"clients"`` the client axis of every run (the leaf axis
         after the batch axes; the number of clients must be a multiple of the mesh
         size; cross-client steps communicate). Other leaves are replicated.
+      desc: a label in front of the progress bar's batch size (``"Karula: 6x5 runs"``).
       **run_kwargs: options of :func:`run`: ``chunk_size``, ``eval_every_chunk``,
         ``checkpoint_dir``, ``resume``, ``on_nonfinite``, ``progress``.
 
@@ -493,9 +494,8 @@ def run_many(
     Raises:
       ValueError: a member axis that is not ``S`` long, a name both in ``batch_kwargs``
         and ``hyper``, an unknown ``shard``, a sharded axis the mesh size does not
-        divide, a factory argument that fails its check on some member or grid point
-        (``"dissimilarity D contains NaN in batch member 3"``, before anything runs;
-        see the module docstring), and everything :func:`run` raises.
+        divide, a factory argument failing its check on some member or grid point before
+        anything runs (module docstring), and everything :func:`run` raises.
       TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
     """
     options = _check_run_options(run_kwargs, shard)
@@ -525,7 +525,7 @@ def run_many(
         eval_fn=batched_eval,
         eval_data=eval_data,
         placement=placement,
-        desc=f"{num_members} runs" if grid is None else f"{num_members}x{grid} runs",
+        desc=f"{desc + ': ' if desc else ''}{num_members}{'' if grid is None else f'x{grid}'} runs",
         fingerprints=functools.partial(_fingerprints, data, kw),
         name=f"{name} (batched by run_many)",
         **options,
