@@ -16,7 +16,12 @@ import nbformat
 import pytest
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ("01_quickstart.ipynb", "02_projection_and_t.ipynb", "03_femnist.ipynb")
+NOTEBOOKS = (
+    "01_quickstart.ipynb",
+    "02_projection_and_t.ipynb",
+    "03_femnist.ipynb",
+    "04_your_own_data_and_method.ipynb",
+)
 CELL_TIMEOUT_S = 300  # per cell; the whole small notebook takes well under a minute
 
 

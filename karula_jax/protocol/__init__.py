@@ -3,6 +3,9 @@
 A study compares methods on ``S`` seeds, each with its own training and test data; every
 method with hyperparameters is cross-validated per seed. The path of a study:
 
+0. Each seed's clients: a loader of :mod:`karula_jax.data`, or a pool of samples split by
+   :func:`~karula_jax.data.split_label_skew`, :func:`~karula_jax.data.split_dirichlet` or
+   :func:`~karula_jax.data.split_feature_shift`.
 1. :mod:`~karula_jax.protocol.datasets`: :func:`stack_datasets` stacks the seeds' data,
    :func:`cv_datasets` lays out the ``S (K + 1)`` members (folds and final fits),
    :func:`member_dissimilarities` gives every member its D, :func:`cluster_labels` its
@@ -16,6 +19,9 @@ method with hyperparameters is cross-validated per seed. The path of a study:
 4. :mod:`~karula_jax.protocol.cv`: :func:`cross_validate` trains a method on every member
    and grid point with :func:`karula_jax.training.run_many` and picks a point per seed;
    :func:`compare` does so for every method.
+
+``notebooks/04_your_own_data_and_method.ipynb`` walks this path with a data set and a
+method of one's own.
 """
 
 from karula_jax.protocol.cv import CVOutcome, compare, cross_validate
