@@ -35,10 +35,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     and Hessian ``-(B^T (M + L)^{-1} B) o (B^T theta)(B^T theta)^T`` (``B`` the pair
     incidence matrix, ``o`` the entrywise product). A Hessian-vector product costs one
     Laplacian product, one multiplication by ``(M + L)^{-1}`` and one Gram product,
-    ``O(n^2 k)``, so no pair-by-pair or per-pair-vector storage is needed. Pairs at
-    the bound that the diagonal Newton step would push below zero take that scaled
-    gradient step (to 0); the others take a Newton step solved by preconditioned CG;
-    an Armijo search along the projected path keeps the ascent monotone. ``warm.lam``
+    ``O(n^2 k)``, so no pair-by-pair or per-pair-vector storage is needed. Each step
+    fixes some pairs at 0 and takes a Newton step on the others (:func:`_direction`);
+    an Armijo search along the projected path keeps the ascent monotone, with the
+    diagonally scaled gradient as the fallback direction. ``warm.lam``
     starts it (symmetrized, clipped at 0); no per-pair state (``pair_dual`` ``[0, k]``).
     """
     n = red.w.shape[0]
@@ -46,7 +46,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     gram = n > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
     mask = dual_mask(red)
-    tiny = jnp.finfo(red.w.dtype).tiny
     eps = jnp.finfo(red.w.dtype).eps
     lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
     pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
@@ -54,40 +53,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     def kkt(lam, ev):
         rel = 2.0 * ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
         return jnp.max(jnp.where(mask, jnp.where(lam > 0, jnp.abs(rel), rel), 0.0))
-
-    def hvp(ev, a_inv, x):
-        # (B^T A^-1 B o (B^T th)(B^T th)^T) x = pair differences of A^-1 L_x th th^T
-        yt = a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
-        dg = jnp.diag(yt)
-        return jnp.where(mask, dg[:, None] + dg[None, :] - yt - yt.T, 0.0)
-
-    def direction(lam, ev, running):
-        a_inv = ev.a_inv
-        da = jnp.diag(a_inv)
-        d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
-        hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
-        mu = eps * jnp.max(hdiag) + tiny
-        pre = hdiag + mu
-        diag_step = ev.grad / pre
-        active = mask & (ev.grad < 0) & (lam + diag_step <= 0)
-        # A pair at 0 that its constraint violates enters the Newton system only when its
-        # violation is within a factor _ENTER of the largest such violation: letting every
-        # slightly violated pair in at once overshoots, and the active set oscillates.
-        rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
-        waiting = mask & (lam <= 0) & (ev.grad > 0)
-        cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
-        active = active | (waiting & (rel < cut))
-        free = mask & ~active
-        # The fixed pairs go to 0 (step -lam); the free pairs' Newton system accounts for
-        # that move: H_FF s_F = -(grad_F + H_FA s_A), with H = -hvp.
-        s_fixed = jnp.where(active, -lam, 0.0)
-        b = jnp.where(free, ev.grad - hvp(ev, a_inv, s_fixed), 0.0)
-        op = lambda x: jnp.where(free, hvp(ev, a_inv, x) + mu * x, 0.0)
-        s = _pcg(
-            op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter, running=running
-        )
-        newton = jnp.where(free, s, s_fixed)
-        return newton, jnp.where(mask, diag_step, 0.0)
 
     def line_search(lam, ev, s, running, evaluate):
         def trial(alpha):
@@ -127,7 +92,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             # Under vmap the members that have stopped still run this body (results
             # dropped); ``running`` keeps them from holding the inner loops open.
             running = ~done
-            s, s_diag = direction(lam, ev, running)
+            s, s_diag = _direction(red, mask, lam, ev, running, cg_iter)
             new, ev_new, ok = line_search(lam, ev, s, running, evaluate)
             # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
             new, ev_new, ok = jax.lax.cond(
@@ -158,6 +123,46 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     th, delta = restore_and_certify(ev.th, ev.g, red)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
+
+
+def _hvp(ev, mask, x):
+    """``-H x`` for the dual Hessian ``H`` at ``ev``, ``x`` [n, n] symmetric over pairs."""
+    # (B^T A^-1 B o (B^T th)(B^T th)^T) x = pair differences of A^-1 L_x th th^T
+    yt = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
+    dg = jnp.diag(yt)
+    return jnp.where(mask, dg[:, None] + dg[None, :] - yt - yt.T, 0.0)
+
+
+def _direction(red, mask, lam, ev, running, cg_iter):
+    """(Newton step, diagonally scaled gradient step) at ``lam``; both [n, n].
+
+    A pair is fixed at 0 (step ``-lam``) when the diagonal Newton step takes it below 0
+    with a negative gradient, or when it sits at 0 with a violated constraint whose
+    relative violation is under ``_ENTER`` times the largest such violation: letting
+    every slightly violated pair in at once overshoots, and the active set oscillates.
+    The free pairs solve ``H_FF s_F = -(grad_F + H_FA s_A)`` by preconditioned CG (at
+    most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner).
+    """
+    eps = jnp.finfo(red.w.dtype).eps
+    a_inv = ev.a_inv
+    da = jnp.diag(a_inv)
+    d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
+    hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
+    mu = eps * jnp.max(hdiag) + jnp.finfo(red.w.dtype).tiny
+    pre = hdiag + mu
+    diag_step = ev.grad / pre
+    active = mask & (ev.grad < 0) & (lam + diag_step <= 0)
+    rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
+    waiting = mask & (lam <= 0) & (ev.grad > 0)
+    cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
+    active = active | (waiting & (rel < cut))
+    free = mask & ~active
+    s_fixed = jnp.where(active, -lam, 0.0)
+    b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
+    op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
+    pdot = lambda a, b: 0.5 * jnp.sum(a * b)
+    s = _pcg(op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter, running=running)
+    return jnp.where(free, s, s_fixed), jnp.where(mask, diag_step, 0.0)
 
 
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):
