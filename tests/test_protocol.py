@@ -268,6 +268,46 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
         build_methods(("Ditto",), loss=loss, rates={"fedavg": rates["fedavg"]}, **local)
 
 
+def test_variant_rows_fedper_and_karula_at_the_theorem_step():
+    """FedPer is FedAvg on the study's mask (and refuses to run without one, where it would
+    be FedAvg); "Karula (theorem step)" is Karula at ``learning_rate="theorem"``."""
+    data = _data(1, (5, 8, 6))
+    params = {"shared": jnp.zeros(2), "head": jnp.zeros(2)}
+
+    def loss(p, x, y, mask):
+        err = (x @ (p["shared"] + p["head"]) - y) ** 2
+        return jnp.sum(jnp.where(mask, err, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+    mask = {"shared": False, "head": True}
+    local = dict(clients_per_round=2, batch_size=8, local_steps=2)
+    rates = {"fedavg": lambda **_: 0.05}
+    options = {"FedPer": {"personalized": mask}}
+    fedper = build_methods(("FedPer",), loss=loss, rates=rates, options=options, **local)
+    got = fedper["FedPer"].make()
+    want = A.fedavg(loss, learning_rate=0.05, personalized=mask, **local)
+    st_got = got.init(params, data, key=jax.random.key(3))
+    st_want = want.init(params, data, key=jax.random.key(3))
+    for _ in range(2):
+        st_got, _ = got.round(st_got, data)
+        st_want, _ = want.round(st_want, data)
+    for a, b in zip(jax.tree.leaves(st_got.params), jax.tree.leaves(st_want.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert np.ptp(np.asarray(st_got.params["head"]), axis=0).max() > 0  # heads stay apart
+    bare = build_methods(("FedPer",), loss=loss, rates=rates, **local)["FedPer"]
+    with pytest.raises(ValueError, match="FedPer needs `personalized`"):
+        bare.make()
+
+    D = np.abs(np.subtract.outer(np.arange(3.0), np.arange(3.0)))
+    common, ridge, key = dict(clients_per_round=2, batch_size=8), ridge_loss(0.1), jax.random.key(4)
+    name = "Karula (theorem step)"
+    row = build_methods((name,), loss=ridge, rates={}, grids={name: 1.0}, **common)[name]
+    rate = row.make(D=D).init(jnp.zeros(2), data, key=key).extra.learning_rate
+    ref = A.karula(ridge, D, t=1.0, learning_rate="theorem", **common)
+    np.testing.assert_allclose(rate, ref.init(jnp.zeros(2), data, key=key).extra.learning_rate)
+    default = A.karula(ridge, D, t=1.0, **common).init(jnp.zeros(2), data, key=key)
+    assert float(rate) < float(default.extra.learning_rate)
+
+
 def _damped_local(loss, *, damping, learning_rate, clients_per_round, batch_size):
     """A toy method: :func:`~karula_jax.algorithms.local` at ``damping`` times its step."""
     return A.local(

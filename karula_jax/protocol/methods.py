@@ -225,6 +225,24 @@ def _clustered_on_D(loss, *, labels, k, **kw) -> Algorithm:
     return A.clustered_fedavg(loss, labels[k], **kw)
 
 
+def _fedper(loss, *, personalized=None, **kw) -> Algorithm:
+    """FedPer: :func:`~karula_jax.algorithms.fedavg` with the leaves ``personalized``
+    marks (e.g. the output layer) kept by each client, the others averaged; Karula at
+    ``t = inf`` on the same mask. A study passes the mask in its options."""
+    if personalized is None or personalized is False:
+        raise ValueError(
+            "FedPer needs `personalized`: True or a mask of the leaves each client keeps "
+            "(e.g. the output layer), given in the study's options for 'FedPer'"
+        )
+    return A.fedavg(loss, personalized=personalized, **kw)
+
+
+def _karula_theorem(loss, **kw) -> Algorithm:
+    """:func:`~karula_jax.algorithms.karula` at Theorem 4.3's step ``3 / (8 L_max)``
+    (``learning_rate="theorem"``)."""
+    return A.karula(loss, learning_rate="theorem", **kw)
+
+
 _COMMON = ("clients_per_round", "batch_size")
 _D = {"D": "D"}
 # The built-in methods, in the order of the studies' tables. Default grids: the synthetic
@@ -289,9 +307,24 @@ _ROWS = (
         kind="choice",
     ),
 )
-REGISTRY: dict[str, MethodRow] = {row.name: row for row in _ROWS}
-# The built-in methods' names, in the registry's order.
-SUITE: tuple[str, ...] = tuple(REGISTRY)
+# Variants a study adds by name: FedPer (Karula at t = inf on its mask) and Karula at
+# Theorem 4.3's step.
+_VARIANTS = (
+    MethodRow(
+        "Karula (theorem step)",
+        _karula_theorem,
+        hyper="t",
+        grid=(2.0, 4.0, 8.0, 16.0, 32.0),
+        rates={},
+        members=_D,
+        settings=_COMMON,
+    ),
+    MethodRow("FedPer", _fedper),
+)
+REGISTRY: dict[str, MethodRow] = {row.name: row for row in _ROWS + _VARIANTS}
+# The eleven methods of the studies' comparisons, in the registry's order (the variants
+# follow them in REGISTRY).
+SUITE: tuple[str, ...] = tuple(row.name for row in _ROWS)
 
 
 def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
