@@ -18,7 +18,7 @@ import numpy as np
 from experiments.report import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
-from karula_jax.data import ClientData, load_heart_disease
+from karula_jax.data import load_heart_disease
 
 __all__ = ["METHODS", "Config", "main", "run_experiment"]
 
@@ -111,18 +111,6 @@ def _metrics(params, data):
     }
 
 
-def _folds(train: ClientData, K: int) -> np.ndarray:
-    """Fold of every row, ``[S, n, N_max]`` (-1 on padding): a row's rank in a random
-    permutation of its hospital's rows modulo K, drawn with numpy seed ``1000 + s``."""
-    counts = np.asarray(train.counts)
-    ids = np.full(counts.shape + (train.x.shape[2],), -1)
-    for s, row in enumerate(counts):
-        rng = np.random.default_rng(1000 + s)
-        for i, c in enumerate(row):
-            ids[s, i, :c] = np.argsort(rng.permutation(c)) % K
-    return ids
-
-
 def main(argv=None) -> dict:
     """Command-line entry point (see :class:`Config`); returns the summary."""
     cfg, args = reporting.cli(
@@ -137,7 +125,7 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     t_start = time.perf_counter()
     S, K = cfg.seeds, cfg.folds
 
-    # one train/test split per seed; K folds of each split's training rows
+    # one train/test split per seed; K random folds of each split's training rows (fold_ids)
     splits = [
         load_heart_disease(cfg.data_dir, test_fraction=cfg.test_fraction, seed=s) for s in range(S)
     ]
@@ -145,7 +133,8 @@ def run_experiment(cfg: Config, out: pathlib.Path) -> dict:
     train, test = (
         protocol.stack_datasets([getattr(h, k) for h in splits]) for k in ("train", "test")
     )
-    cv = protocol.cv_datasets(train, test, K, folds=_folds(train, K))
+    fold_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1_000_003), s))
+    cv = protocol.cv_datasets(train, test, K, key=fold_keys(jnp.arange(S)))
 
     # D: fold f of seed s embeds with key fold_in(k_s, f + 1), the final fit with k_s
     emb_keys = jax.random.split(jax.random.key(123), S)
