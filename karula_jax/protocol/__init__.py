@@ -19,6 +19,10 @@ method with hyperparameters is cross-validated per seed. The path of a study:
 4. :mod:`~karula_jax.protocol.cv`: :func:`cross_validate` trains a method on every member
    and grid point with :func:`karula_jax.training.run_many` and picks a point per seed;
    :func:`compare` does so for every method.
+5. :mod:`~karula_jax.protocol.study`: the study driver. :func:`draw_study` (data draws ->
+   stacked CV layout -> D per member), :func:`compare`, :func:`study_rows` and
+   :func:`write_study` (one table, JSON and figure writer); :func:`run_study` runs them on
+   a :class:`Study` (:func:`logistic_study`: a whole study of logistic regression).
 
 ``notebooks/04_your_own_data_and_method.ipynb`` walks this path with a data set and a
 method of one's own.
@@ -50,6 +54,20 @@ from karula_jax.protocol.rates import (
     smoothness_constants,
     smoothness_rates,
 )
+from karula_jax.protocol.study import (
+    Draw,
+    Study,
+    StudyData,
+    StudyResult,
+    describe_grids,
+    draw_study,
+    fix_choices,
+    logistic_study,
+    run_study,
+    selected,
+    study_rows,
+    write_study,
+)
 
 __all__ = [
     "GRID_KINDS",
@@ -57,8 +75,12 @@ __all__ = [
     "SUITE",
     "CVData",
     "CVOutcome",
+    "Draw",
     "Method",
     "MethodRow",
+    "Study",
+    "StudyData",
+    "StudyResult",
     "build_methods",
     "choice_grid",
     "cluster_labels",
@@ -66,12 +88,20 @@ __all__ = [
     "cross_validate",
     "cv_datasets",
     "default_rates",
+    "describe_grids",
+    "draw_study",
+    "fix_choices",
+    "logistic_study",
     "mean_normalized",
     "member_default_rates",
     "member_dissimilarities",
     "register",
+    "run_study",
     "scalar_grid",
+    "selected",
     "smoothness_constants",
     "smoothness_rates",
     "stack_datasets",
+    "study_rows",
+    "write_study",
 ]

@@ -28,7 +28,12 @@ import numpy as np
 from karula_jax import evaluation as ev
 from karula_jax.protocol.datasets import CVData
 from karula_jax.protocol.methods import Method
-from karula_jax.training import ProjectionNotConvergedWarning, describe_diagnostics, run_many
+from karula_jax.training import (
+    ProjectionNotConvergedWarning,
+    describe_diagnostics,
+    run_many,
+    vmap_algorithm,
+)
 
 __all__ = ["CVOutcome", "compare", "cross_validate"]
 
@@ -51,6 +56,12 @@ class CVOutcome(NamedTuple):
       seconds: wall clock of the method's runs, compilation included.
       diagnostics: the projection's report (:func:`karula_jax.training.describe_diagnostics`)
         when a run had an inexact projection, else "".
+      curves: every metric of the final fit at the chosen point at every evaluation,
+        ``[S, T, ...]`` in the metric's own dtype (``T = 1`` unless the runs evaluate
+        every chunk).
+      rounds: rounds completed at each evaluation, ``[T]``.
+      params: the client models of the final fit at the chosen point, leaves
+        ``[S, n, ...]`` (with ``final_params``; else None).
     """
 
     metrics: dict[str, np.ndarray]
@@ -62,6 +73,9 @@ class CVOutcome(NamedTuple):
     edge: np.ndarray
     seconds: float
     diagnostics: str
+    curves: dict[str, np.ndarray]
+    rounds: np.ndarray
+    params: Any = None
 
     @property
     def chosen_labels(self) -> list[str]:
@@ -88,6 +102,7 @@ def cross_validate(
     params_per_seed: bool = False,
     warn_unconverged: bool = True,
     desc: str | None = None,
+    final_params: bool = False,
     **run_kwargs,
 ) -> CVOutcome:
     """Trains ``method`` on every member and grid point, picks a point per seed by CV.
@@ -111,10 +126,11 @@ def cross_validate(
         projection stopped at its iteration cap in some run (a deliberately capped
         projection can turn this off; the report is still returned in ``diagnostics``).
       desc: the method's name on its progress bars and in its warning.
+      final_params: also return the final fits' client models (``CVOutcome.params``).
       **run_kwargs: further options of :func:`karula_jax.training.run_many`. Defaults
         here: ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of
         ``num_rounds`` (the bar advances after every chunk; results do not depend on the
-        chunk size), ``eval_every_chunk=False``, ``on_nonfinite="record"``.
+        chunk size), ``eval_every_chunk=False`` (True: curves), ``on_nonfinite="record"``.
 
     Returns:
       A :class:`CVOutcome`.
@@ -124,20 +140,23 @@ def cross_validate(
         raise ValueError("score is required for a method with a grid")
     # Untuned methods need the final fits only.
     members = np.arange(S * (K + 1)) if method.tuned else np.arange(S) * (K + 1) + K
+    final = slice(K, None, K + 1) if method.tuned else slice(None)  # among the members
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
     chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
     options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
     options |= dict(progress=True) | run_kwargs
-    t0 = time.perf_counter()
-    parts, reports, unconverged = [], [], []
+    batch_kwargs = take(member_kwargs) if member_kwargs else None
+    grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
+    t0, parts, curves, finals, reports, unconverged = time.perf_counter(), [], [], [], [], []
     for static in method.static_grid or [{}]:
+        make = functools.partial(method.make, **static)
         point = ", ".join(f"{k}={v}" for k, v in static.items())
         label = " ".join(x for x in (desc, point) if x) or None
         with warnings.catch_warnings():  # collected here, reported once below
             warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
             res = run_many(
-                functools.partial(method.make, **static),
+                make,
                 per_member(params) if params_per_seed else params,
                 take(data.train),
                 keys=per_member(keys),
@@ -145,7 +164,7 @@ def cross_validate(
                 hyper=method.grid or None,
                 data_per_seed=True,
                 params_per_seed=params_per_seed,
-                batch_kwargs=take(member_kwargs) if member_kwargs else None,
+                batch_kwargs=batch_kwargs,
                 eval_fn=eval_fn,
                 eval_data=take(data.evals if eval_data is None else eval_data),
                 eval_data_per_seed=True,
@@ -158,39 +177,76 @@ def cross_validate(
         unconverged.append(bool(d["unconverged_rounds"]))
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
         m["finite"] = np.asarray(res.info.finite).all(axis=0)
-        grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
+        curves.append({k: _final_curves(v, final, method.grid) for k, v in res.metrics.items()})
+        if final_params:  # [S, G, n, ...]
+            client = _client_models(
+                make, method.grid, res.state, take(data.train), batch_kwargs, params_per_seed
+            )
+            finals.append(jax.tree.map(lambda a: grid_axis(a[final]), client))
     m = {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
     m = {k: v.reshape((S, -1) + v.shape[1:]) for k, v in m.items()}  # [S, F, G, ...]
-    chosen, cv_score = np.zeros(S, dtype=int), None
-    if method.tuned:
-        val = {k: v[:, :K] for k, v in m.items()}
-        sel = ev.select_by_cv(
-            score(val), fold_weights=fold_weights, valid=val["finite"], maximize=maximize
-        )
-        chosen, cv_score = sel.index, sel.score
+    val = {k: v[:, :K] for k, v in m.items()}
+    chosen, cv_score, edge = _choose(method, val, score, fold_weights, maximize, S)
     grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
     if warn_unconverged and any(unconverged):
-        warnings.warn(
-            f"{desc or 'cross_validate'}: the projection stopped at its iteration cap in some "
-            f"runs ({'; '.join(reports)}). The models are feasible but only approximately "
-            "projected: raise projection_max_iter (or projection_tol).",
-            ProjectionNotConvergedWarning,
-            stacklevel=2,
-        )
+        _warn_capped(desc, reports)
+    pick = lambda a: a[np.arange(S), chosen]  # [S, G, ...] -> the chosen point's [S, ...]
     return CVOutcome(
-        metrics={k: v[np.arange(S), chosen] for k, v in grid_metrics.items()},
+        metrics={k: pick(v) for k, v in grid_metrics.items()},
         grid_metrics=grid_metrics,
         chosen=chosen,
         labels=method.labels(),
         cv_score=cv_score,
-        finite=m["finite"][np.arange(S), -1, chosen],
-        edge=ev.grid_edge(chosen, len(method.labels()), natural=method.natural_points())
-        if method.tuned
-        else np.zeros(S, bool),
+        finite=pick(m["finite"][:, -1]),
+        edge=edge,
         seconds=time.perf_counter() - t0,
         diagnostics="; ".join(reports),
+        curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in curves[0]},
+        rounds=np.asarray(res.metric_rounds),
+        params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
     )
+
+
+def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
+    """``(chosen [S], cv_score [S, G] or None, edge [S])`` from the validation metrics
+    ``val`` ``{name: [S, K, G, ...]}`` (``finite`` among them)."""
+    if not method.tuned:
+        return np.zeros(S, dtype=int), None, np.zeros(S, bool)
+    valid = val["finite"]
+    sel = ev.select_by_cv(score(val), fold_weights=fold_weights, valid=valid, maximize=maximize)
+    edge = ev.grid_edge(sel.index, len(method.labels()), natural=method.natural_points())
+    return sel.index, sel.score, edge
+
+
+def _warn_capped(desc: str | None, reports: list[str]) -> None:
+    """The one :class:`ProjectionNotConvergedWarning` of a method's runs, at the caller of
+    :func:`cross_validate`."""
+    warnings.warn(
+        f"{desc or 'cross_validate'}: the projection stopped at its iteration cap in some "
+        f"runs ({'; '.join(reports)}). The models are feasible but only approximately "
+        "projected: raise projection_max_iter (or projection_tol).",
+        ProjectionNotConvergedWarning,
+        stacklevel=3,
+    )
+
+
+def _client_models(make, grid, state, train, batch_kwargs, params_per_seed: bool) -> Any:
+    """Client models of a :func:`run_many` batch's final ``state``, ``[members, (G), n, ...]``."""
+    batched = vmap_algorithm(
+        make,
+        grid or None,
+        data_per_seed=True,
+        params_per_seed=params_per_seed,
+        batch_kwargs=batch_kwargs,
+    )
+    return jax.device_get(batched.client_params(state, train))
+
+
+def _final_curves(metric, final: slice, grid) -> np.ndarray:
+    """A metric ``[T, members, (G), ...]`` of a run: its final fits, ``[S, G, T, ...]``."""
+    a = np.asarray(metric)[:, final]
+    return np.moveaxis(a if grid else a[:, :, None], 0, 2)
 
 
 def compare(

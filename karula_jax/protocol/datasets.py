@@ -5,7 +5,7 @@ A study has ``S`` seeds, each with its own training and test data. :func:`cv_dat
 stacks the ``S (K + 1)`` data sets a cross-validated comparison trains on, seed-major on
 one *member* axis: member ``s (K + 1) + f`` holds fold ``f``'s training rows (``evals``:
 its validation rows) for ``f < K`` and all training rows (``evals``: the test rows) for
-``f = K``, the seed's final fit.
+``f = K``, the seed's final fit. With ``K = 0`` the members are the final fits alone.
 """
 
 from __future__ import annotations
@@ -88,15 +88,19 @@ def cv_datasets(
     Args:
       train: training data per seed, leaves ``[S, n, N, ...]``.
       test: test data per seed, leaves ``[S, n, N_test, ...]``.
-      num_folds: ``K >= 2``.
+      num_folds: ``K >= 2``; or 0: no folds, the members are the ``S`` final fits (a
+        study whose hyperparameters are fixed), ``evals`` is ``test`` unpadded.
       key: stacked keys ``[S]`` drawing each seed's folds (:func:`~karula_jax.evaluation.fold_ids`).
-      folds: or explicit fold ids ``[S, n, N]`` (``-1`` on padding); exactly one of the two.
+      folds: or explicit fold ids ``[S, n, N]`` (``-1`` on padding); exactly one of the two
+        (neither when ``num_folds`` is 0).
 
     Returns:
       A :class:`CVData`; validation and test rows are padded to a common row count.
     """
-    if (key is None) == (folds is None):
+    if num_folds and (key is None) == (folds is None):
         raise ValueError("pass exactly one of key and folds")
+    if not num_folds and (key is not None or folds is not None):
+        raise ValueError("num_folds=0 has no folds: pass neither key nor folds")
     if train.counts.ndim != 2 or test.counts.ndim != 2:
         raise ValueError("train and test must have leaves [S, n, N, ...] (a seed axis)")
     if train.counts.shape != test.counts.shape:
@@ -104,7 +108,9 @@ def cv_datasets(
             f"train and test must have the same seeds and clients, got counts "
             f"{train.counts.shape} and {test.counts.shape}"
         )
-    K = num_folds
+    K, S = num_folds, int(train.counts.shape[0])
+    if K == 0:
+        return CVData(train, test, S, 0)
     if folds is None:
         fit, val = jax.vmap(lambda d, k: ev.kfold_split(d, K, key=k))(train, key)
     else:
@@ -112,7 +118,6 @@ def cv_datasets(
     rows = max(int(train.x.shape[2]), int(test.x.shape[2]))
     val, test = _pad_rows(val, rows), _pad_rows(test, rows)
     join = lambda a, b: jnp.concatenate([a, b[:, None]], 1).reshape((-1,) + a.shape[2:])
-    S = int(train.counts.shape[0])
     return CVData(jax.tree.map(join, fit, train), jax.tree.map(join, val, test), S, K)
 
 

@@ -1,0 +1,152 @@
+"""The study driver (karula_jax.protocol.study): a new data set is a config and a draw
+function; the driver's steps keep their contracts."""
+
+import csv
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from karula_jax import protocol
+from karula_jax.data import from_client_arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """A toy study: three clients with their own logistic models."""
+
+    seeds: int = 2
+    num_folds: int = 2
+    rounds: int = 10
+    lam: float = 1e-3
+    clients_per_round: int = 2
+    methods: tuple[str, ...] = ("Local",)  # and Karula, the reference
+    t_grid: tuple[float, ...] = (0.0, float("inf"))
+
+
+def draw(seed: int) -> protocol.Draw:
+    """Client i's labels follow its own direction w_i; 12 to 20 training rows, 8 test rows."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(3, 4))
+    sets = []
+    for rows in (rng.integers(12, 21, size=3), [8] * 3):
+        xs = [rng.normal(size=(int(m), 4)) for m in rows]
+        ys = [(x @ wi > 0).astype(np.int32) for x, wi in zip(xs, w, strict=True)]
+        sets.append(from_client_arrays(xs, ys, num_classes=2))
+    return protocol.Draw(*sets, extras=f"seed {seed}")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The toy study run end to end by the driver: ``(output folder, result, log lines)``."""
+    cfg, out, lines = ToyConfig(), tmp_path_factory.mktemp("toy"), []
+    study = protocol.logistic_study(
+        draw,
+        cfg,
+        title="Toy",
+        seeds=cfg.seeds,
+        num_folds=cfg.num_folds,
+        num_rounds=cfg.rounds,
+        lam=cfg.lam,
+        methods=cfg.methods,
+        clients_per_round=cfg.clients_per_round,
+        grids={"Karula": cfg.t_grid},
+        embed={"num_reference": 8, "epsilon": 0.5},
+        client_names=("a", "b", "c"),
+        cluster_grid=(1, 2),
+    )
+    return out, protocol.run_study(study, out, log=lines.append), lines
+
+
+def test_a_new_data_set_is_a_config_and_a_draw_function(toy):
+    out, result, lines = toy
+    with open(out / "table.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["method"] for r in rows] == ["Local", "Karula"]
+    for r in rows:
+        assert 0 <= float(r["test_acc"]) <= 1 and np.isfinite(float(r["test_logloss"]))
+        assert {"acc_a", "acc_b", "acc_c", "cv_choice", "runtime_s"} <= set(r)
+    assert rows[1]["cv_choice"] in ("t=0 x2", "t=inf x2", "t=0 x1, t=inf x1")
+    assert float(rows[1]["karula_minus"]) == 0.0 and rows[1]["karula_minus_decided"] == "-"
+    md = (out / "table.md").read_text()
+    assert md.startswith("# Toy") and "| Karula |" in md and "mean per-client test acc." in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"] == json.loads(json.dumps(dataclasses.asdict(ToyConfig())))
+    assert len(summary["chosen"]["Karula"]) == 2 and np.shape(summary["cv_score"]["Karula"]) == (
+        2,
+        2,
+    )
+    assert summary["rows"] == result.rows and all(r["finite"] for r in result.rows)
+    assert result.data.extras == ("seed 0", "seed 1")
+    assert "CV grids: Karula: t=0, t=inf" in lines
+
+
+def test_draw_study_lays_out_members_and_their_dissimilarities(toy):
+    data, B, n = toy[1].data, 2 * 3, 3
+    assert data.cv.train.x.shape[:2] == (B, n) and np.shape(data.D) == (B, n, n)
+    assert data.labels.shape == (B, 2, n) and data.converged.shape == (B, n)
+    assert set(data.member_kwargs(L_f=1.0)) == {"D", "labels", "L_f"}
+    # the default keys: folds fold_in(key(1_000_003), seed), D fold_in(key(2_000_003), b)
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1_000_003), s))(np.arange(2))
+    draws = [draw(s) for s in (0, 1)]
+    train, test = (
+        protocol.stack_datasets([getattr(d, k) for d in draws]) for k in ("train", "test")
+    )
+    ref = protocol.cv_datasets(train, test, 2, key=keys)
+    np.testing.assert_array_equal(np.asarray(data.cv.train.x), np.asarray(ref.train.x))
+    embed = {"num_reference": 8, "epsilon": 0.5, "num_classes": 2}
+    b = 4  # seed 1, fold 1
+    member = jax.tree.map(lambda a: a[b], data.cv.train)
+    key = jax.random.fold_in(jax.random.key(2_000_003), b)
+    D, _ = protocol.member_dissimilarities(jax.tree.map(lambda a: a[None], member), key, **embed)
+    np.testing.assert_allclose(np.asarray(D[0]), np.asarray(data.D[b]), rtol=1e-5, atol=1e-6)
+    # no folds: the members are the seeds' final fits, test rows unpadded
+    final = protocol.cv_datasets(train, test, 0)
+    assert final.num_folds == 0 and final.train.x.shape[:2] == (2, n)
+    np.testing.assert_array_equal(np.asarray(final.evals.x), np.asarray(test.x))
+    with pytest.raises(ValueError, match="num_folds=0"):
+        protocol.cv_datasets(train, test, 0, key=keys)
+
+
+def test_fix_choices_rows_and_writer(tmp_path):
+    methods = protocol.build_methods(
+        ["FedAvg", "Karula", "FedProx"],
+        loss=lambda *a: 0.0,
+        rates=protocol.smoothness_rates(karula=1, fedavg=1, ifca=1, personal=1, num_clients=2),
+        grids={"Karula": (1.0, 2.0, 4.0), "FedProx": (0.5,)},
+        clients_per_round=1,
+        batch_size=1,
+    )
+    chosen = np.array([2, 0])
+    outcome = lambda labels, c: protocol.CVOutcome(  # noqa: E731
+        {}, {}, c, labels, None, np.ones(2, bool), np.zeros(2, bool), 1.5, "", {}, np.arange(1)
+    )
+    outcomes = {"Karula": outcome(["t=1", "t=2", "t=4"], chosen)}
+    fixed, points = protocol.fix_choices(methods, outcomes, seed=0)
+    assert not any(m.tuned for m in fixed.values())
+    assert points == {"Karula": {"t": np.float32(4.0)}, "FedProx": {"mu": np.float32(0.5)}}
+    assert protocol.describe_grids(methods) == "Karula: t=1, t=2, t=4; FedProx: mu=0.5"
+    outcomes |= {"FedAvg": outcome([""], np.zeros(2, int))}
+    values = {"FedAvg": {"acc": [0.5, 0.7]}, "Karula": {"acc": [0.6, 0.9]}}
+    rows = protocol.study_rows(values, outcomes, paired="acc", untuned="-")
+    assert [r["cv_choice"] for r in rows] == ["-", "t=1 x1, t=4 x1"]
+    assert rows[0]["karula_minus"] == pytest.approx(0.15) and rows[0]["runtime_s"] == 1.5
+    drawn = []
+    text = protocol.write_study(
+        tmp_path / "out",
+        rows,
+        [("method", "M"), ("acc", "A"), ("cv_choice", "CV")],
+        title="T",
+        notes=["a note"],
+        summary={"x": np.arange(2)},
+        figures={"f.png": drawn.append},
+        json="s.json",
+        log=lambda _: None,
+    )
+    assert "| Karula | 0.750 ± 0.300 | t=1 x1, t=4 x1 |" in text
+    assert drawn == [tmp_path / "out" / "f.png"]
+    assert json.loads((tmp_path / "out" / "s.json").read_text()) == {"x": [0, 1]}
+    assert (tmp_path / "out" / "table.md").read_text().endswith("a note\n")
+    assert protocol.selected(("FedProx", "Local")) == ["Local", "Karula", "FedProx"]
