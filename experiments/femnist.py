@@ -2,8 +2,8 @@
 
 Seed ``s`` draws the writers (``load_leaf(seed=s)``), the initial models, participation and
 minibatches. Grids the paper does not fix are chosen by 2-fold CV on a separate tuning draw;
-every method's seeds are one :func:`karula_jax.training.run_many` call. Findings:
-``results/femnist/README.md``.
+then every method is trained on every seed at its chosen point (the study driver,
+:mod:`karula_jax.protocol.study`). Findings: ``results/femnist/README.md``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import numpy as np
 from experiments.report import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
-from karula_jax.data import ClientData, client_weights, load_leaf
+from karula_jax.data import client_weights, load_leaf
 from karula_jax.stats import format_mean_se, mean_and_se
-from karula_jax.training import progress_bar, run_many, vmap_algorithm
 
 __all__ = ["Config", "library_rates", "main", "run_experiment"]
 
@@ -139,58 +138,60 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     )
 
 
-def _draws(cfg: Config, seeds) -> tuple[ClientData, ClientData, list[list[str]]]:
-    """Training and test data of each seed's writer draw, stacked ``[S, n, N, ...]``."""
+def _study_data(cfg: Config, seeds, num_folds: int, fold_keys=None) -> protocol.StudyData:
+    """Each seed's writer draw (extras: the writers), its CV layout, D and clusters."""
     kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
-    sets = [load_leaf(cfg.data_dir, seed=int(s), **kw) for s in seeds]
-    train, test = (
-        protocol.stack_datasets([getattr(d, k) for d in sets]) for k in ("train", "test")
-    )
-    return train, test, [list(d.writers) for d in sets]
 
+    def draw(seed: int) -> protocol.Draw:
+        d = load_leaf(cfg.data_dir, seed=seed, **kw)
+        return protocol.Draw(d.train, d.test, list(d.writers))
 
-def _member_kwargs(cfg: Config, model, train: ClientData, keys, params) -> dict:
-    """Per data set: D, the rates, IFCA's random clusters, spectral labels of D."""
     embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
-    D, info = protocol.member_dissimilarities(train, jax.random.key(0), num_classes=10, **embed)
+    return protocol.draw_study(
+        draw,
+        seeds,
+        num_folds=num_folds,
+        embed=embed | {"num_classes": 10},
+        fold_keys=fold_keys,
+        embed_keys=jax.random.key(0),
+        cluster_grid=cfg.cluster_grid,
+    )
+
+
+def _member_kwargs(cfg: Config, model, data: protocol.StudyData, keys, params) -> dict:
+    """Per member: D, spectral labels of D, the rates and IFCA's random clusters."""
     # IFCA paper: k independent random initializations
     init = lambda k, c: models.init_params(model, jax.random.fold_in(k, 100 + c), (1, 784))
     cs = jnp.arange(cfg.ifca_clusters)
     clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(k, c))(cs))(keys)
-    labels = protocol.cluster_labels(D, cfg.cluster_grid)
+    train = data.cv.train
     rates = library_rates(cfg, train.counts)
     if cfg.rates == "default":  # params [B, ...]: each data set's initial model
         loss = models.cross_entropy_loss(model.apply)
         rates = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
     rates = {k: jnp.asarray(v, jnp.float32) for k, v in rates.items()}
-    kw = dict(D=D, rates=rates, clusters=clusters, labels=labels)
-    return kw, bool(np.all(info.converged))
+    return data.member_kwargs(rates=rates, clusters=clusters)
 
 
-def tune(cfg: Config, model, loss, methods) -> dict[str, dict]:
-    """Picks each grid's point by 2-fold CV (validation log-loss) on the tuning draw."""
-    train, test, _ = _draws(cfg, [TUNING_SEED])
+def tune(cfg: Config, model, methods) -> tuple[dict, dict]:
+    """Every method at the grid point 2-fold CV (validation log-loss) chose on the tuning
+    draw (:func:`karula_jax.protocol.fix_choices`): ``(methods, {name: point})``."""
     keys = jax.random.key(TUNING_SEED)[None]
-    cv = protocol.cv_datasets(train, test, 2, key=keys)
-    members, p0 = cv.per_member(keys), models.init_params(model, keys[0], (1, 784))
+    data = _study_data(cfg, [TUNING_SEED], 2, fold_keys=keys)
+    members, p0 = data.cv.per_member(keys), models.init_params(model, keys[0], (1, 784))
     stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(members), *a.shape)), p0)
-    kw, _ = _member_kwargs(cfg, model, cv.train, members, stacked)
     outcomes = protocol.compare(
         {name: m for name, m in methods.items() if len(m.points()) > 1},  # something to choose
         p0,
-        cv,
+        data.cv,
         keys=keys,
         num_rounds=cfg.rounds,
         eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
         score=lambda v: v["nll"].mean(-1),
-        member_kwargs=kw,
+        member_kwargs=_member_kwargs(cfg, model, data, members, stacked),
         describe=lambda o: f"CV on the tuning draw: {o.labels}",
     )
-    chosen = {
-        name: m.points()[outcomes[name].chosen[0] if name in outcomes else 0]
-        for name, m in methods.items()
-    }
-    return {name: point for name, point in chosen.items() if point}
+    return protocol.fix_choices(methods, outcomes)
 
 
 def main(argv=None) -> dict:
@@ -210,19 +211,19 @@ def main(argv=None) -> dict:
 
 def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     """Tunes the grids, trains every method on every seed; writes tables and figures."""
-    out.mkdir(parents=True, exist_ok=True)
     sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
     model = models.mlp(cfg.hidden, 10)
     loss = models.cross_entropy_loss(model.apply)
     seed_keys = jax.vmap(jax.random.key)(jnp.arange(S))
     params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
     personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
-    names = [m for m in METHODS if m in cfg.methods or m == "Karula"]
-    methods = make_methods(cfg, loss, personal, names)
-    chosen = tune(cfg, model, loss, methods)
+    methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
+    fixed, chosen = tune(cfg, model, methods)
 
-    train, test, writers = _draws(cfg, range(S))
-    kw, converged = _member_kwargs(cfg, model, train, seed_keys, params0)
+    data = _study_data(cfg, S, 0)  # no folds: the grids are fixed
+    train, test, writers = data.cv.train, data.cv.evals, data.extras
+    kw = _member_kwargs(cfg, model, data, seed_keys, params0)
+    converged = bool(np.all(data.converged))
     print(f"{S} draws of {cfg.num_clients} writers; D converged: {converged}")
     alpha = jnp.stack([client_weights(c) for c in train.counts])  # [S, n]
 
@@ -233,50 +234,39 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
             "test_acc": ev.accuracy(model.apply, params, te),
         }
 
-    results, finals = {}, {}
-    for name in progress_bar(names, desc="methods", unit="method"):
-        make = functools.partial(methods[name].make, **chosen.get(name, {}))
-        t0 = time.perf_counter()
-        res = run_many(
-            make,
-            params0,
-            train,
-            keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
-            num_rounds=cfg.rounds,
-            data_per_seed=True,
-            params_per_seed=True,
-            batch_kwargs=kw,
-            eval_fn=evaluate,
-            eval_data=((train, test), alpha),
-            eval_data_per_seed=True,
-            chunk_size=cfg.eval_every,
-            on_nonfinite="record",
-            progress=False,
-        )
-        batched = vmap_algorithm(make, data_per_seed=True, params_per_seed=True, batch_kwargs=kw)
-        finals[name] = batched.client_params(res.state, train)
-        results[name] = (res, time.perf_counter() - t0)
-        acc = 100 * res.metrics["test_acc"][-1].mean(-1)
-        print(f"{name}: {format_mean_se(*mean_and_se(acc), digits=1)} % ({results[name][1]:.0f} s)")
+    outcomes = protocol.compare(
+        fixed,
+        params0,
+        data.cv,
+        keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
+        num_rounds=cfg.rounds,
+        eval_fn=evaluate,
+        eval_data=((train, test), alpha),
+        member_kwargs=kw,
+        params_per_seed=True,
+        final_params=True,
+        chunk_size=cfg.eval_every,
+        eval_every_chunk=True,
+        describe=lambda o: (
+            f"{format_mean_se(*mean_and_se(100 * o.metrics['test_acc'].mean(-1)), digits=1)} %"
+        ),
+    )
 
     # ---- table: mean per-writer test accuracy, paired differences with Karula
     test_counts = np.asarray(test.counts, np.float64)
-    acc = {m: 100 * np.asarray(r.metrics["test_acc"][-1]) for m, (r, _) in results.items()}
-    leaves = [np.asarray(a).reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(finals["IFCA"])]
+    acc = {m: 100 * o.curves["test_acc"][:, -1] for m, o in outcomes.items()}  # [S, n]
+    leaves = [a.reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(outcomes["IFCA"].params)]
     ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
     values = {
         name: {
             "test_acc": a.mean(1),
             "pooled_acc": (a * test_counts).sum(1) / test_counts.sum(1),
-            "train_loss": np.asarray(results[name][0].metrics["train_loss"][-1]),
+            "train_loss": outcomes[name].curves["train_loss"][:, -1],
         }
         for name, a in acc.items()
     }
-    rows = reporting.comparison_rows(values, reference="Karula", paired="test_acc")
-    for row, (res, seconds) in zip(rows, results.values(), strict=True):
-        name = row["method"]
-        row["chosen"] = methods[name].label(chosen[name]) if name in chosen else ""
-        row |= {"runtime_s": seconds, "finite": bool(np.all(res.info.finite))}
+    labels = {name: methods[name].label(point) for name, point in chosen.items()}
+    rows = protocol.study_rows(values, outcomes, paired="test_acc", choice="chosen", choices=labels)
     columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
     columns += [("pooled_acc", "pooled test acc. (%)")]
     columns += [("karula_minus", "Karula minus method (paired)")]
@@ -303,30 +293,24 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
         "FedAvg 84.4 ± 2.39, IFCA 83.9 ± 2.60.",
     ]
-    digits = dict(test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1)
-    title = f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}"
-    table = reporting.write_table(
-        rows, columns, out / f"table{sfx}", title=title, notes=notes, digits=digits
-    )
-
     curves = {
         m: {
-            "train_loss": np.asarray(r.metrics["train_loss"]).T,
-            "test_acc": 100 * np.asarray(r.metrics["test_acc"]).mean(-1).T,
+            "train_loss": o.curves["train_loss"],
+            "test_acc": 100 * o.curves["test_acc"].mean(-1),
         }
-        for m, (r, _) in results.items()
+        for m, o in outcomes.items()
     }
-    reporting.plot_curves(
-        results["Local"][0].metric_rounds,
+    plot_curves = functools.partial(
+        reporting.plot_curves,
+        outcomes["Local"].rounds,
         curves,
-        out / f"curves{sfx}.png",
         panels=(("train_loss", "training loss"), ("test_acc", "mean per-writer test accuracy (%)")),
         title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
     )
     # Karula's constraints: the fraction active at the end, per seed
     sq = lambda p, s: ev.pairwise_sq_distances(jax.tree.map(lambda a: a[s], p), personal)
-    D = np.asarray(kw["D"])
-    active = [ev.active_fraction(sq(finals["Karula"], s), D[s], cfg.t) for s in range(S)]
+    D = np.asarray(data.D)
+    active = [ev.active_fraction(sq(outcomes["Karula"].params, s), D[s], cfg.t) for s in range(S)]
     trio = reporting.plot_client_triplet(
         jax.tree.map(lambda a: a[0], train),
         [f"writer {w} (client {i})" for i, w in enumerate(writers[0])],
@@ -341,13 +325,23 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         "ifca_clusters_in_use": ifca_used,
         "karula_active_fraction": active,
         "embedding_converged": converged,
-        "writers": writers,
+        "writers": list(writers),
         "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }
-    reporting.write_json(summary, out / f"summary{sfx}.json")
-    print(table + "\n" + "\n".join(notes))
+    protocol.write_study(
+        out,
+        rows,
+        columns,
+        title=f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}",
+        notes=notes,
+        digits=dict(test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1),
+        summary=summary,
+        figures={f"curves{sfx}.png": plot_curves},
+        table=f"table{sfx}",
+        json=f"summary{sfx}.json",
+    )
     print(f"wrote {out} in {summary['total_seconds']:.0f}s")
     return summary
 

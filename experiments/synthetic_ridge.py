@@ -8,6 +8,7 @@ findings: ``results/synthetic/README.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -121,18 +122,20 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
 
 
 class Batch(NamedTuple):
-    """Every data set of the study (:class:`karula_jax.protocol.CVData`) and what goes with it."""
+    """The study's data sets (:class:`karula_jax.protocol.StudyData`) and what goes with them."""
 
-    cv: protocol.CVData  # S (K + 1) members, seed-major
-    D: jnp.ndarray  # [B, n, n] Karula's dissimilarities
+    data: protocol.StudyData  # S (K + 1) members, seed-major; D mean-normalized
     D_true: jnp.ndarray | None  # [B, n, n] true ||theta_i* - theta_j*||^2 (diagnostic)
     D_population: jnp.ndarray | None  # [B, n, n] D from many fresh rows (diagnostic)
-    labels: np.ndarray  # [B, len(cluster_grid), n] spectral clusters of D
     L_f: np.ndarray  # [B] product-space constant max_i alpha_i L_i / n
     L_max: np.ndarray  # [B] max_i L_i
     theta_true: np.ndarray  # [S, n, d]
     embedding_converged: np.ndarray  # [B, n] bool
     spearman_population: np.ndarray | None  # [S] Spearman of D_population with the truth
+
+    @property
+    def D(self) -> jnp.ndarray:
+        return self.data.D  # [B, n, n] Karula's dissimilarities
 
 
 def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> Batch:
@@ -140,21 +143,22 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
     gen = dict(cfg.generator, num_clients=cfg.num_clients, dim=cfg.dim)
     if cfg.noise_std is not None:
         gen["noise_std"] = cfg.noise_std
-    sets = [synthetic_ridge(seed, **gen) for seed in range(cfg.seeds)]
-    train, test = (
-        protocol.stack_datasets([getattr(s, k) for s in sets]) for k in ("train", "test")
-    )
-    fold_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1_000_003), s))
-    cv = protocol.cv_datasets(train, test, cfg.num_folds, key=fold_keys(jnp.arange(cfg.seeds)))
-    B = cv.train.x.shape[0]
-    t0 = time.perf_counter()
-    emb_keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(2_000_003), b))(jnp.arange(B))
-    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon)
-    D, info = jax.block_until_ready(protocol.member_dissimilarities(cv.train, emb_keys, **embed))
-    log(f"dissimilarities of {B} data sets: {time.perf_counter() - t0:.1f} s")
-    converged = np.asarray(info.converged)
-    theta_true = np.stack([np.asarray(s.theta_true) for s in sets])
 
+    def draw(seed: int) -> protocol.Draw:
+        d = synthetic_ridge(seed, **gen)
+        return protocol.Draw(d.train, d.test, np.asarray(d.theta_true))
+
+    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon)
+    data = protocol.draw_study(
+        draw,
+        cfg.seeds,
+        num_folds=cfg.num_folds,
+        embed=embed,
+        normalize_D=cfg.normalize_D,
+        cluster_grid=cfg.cluster_grid,
+        log=log,
+    )
+    cv, theta_true, converged = data.cv, np.stack(data.extras), data.converged
     D_true = D_pop = rho_pop = None
     if cfg.diagnostics:
         # The truth, and D from many fresh rows of the same clients (the generator draws
@@ -166,18 +170,14 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
             for seed in range(cfg.seeds)
         ]
         pops = protocol.stack_datasets(pops)
-        D_pop, pop_info = protocol.member_dissimilarities(pops, cv.final(emb_keys), **embed)
-        converged = converged & np.asarray(cv.per_member(pop_info.converged))
+        D_pop, info = protocol.member_dissimilarities(pops, cv.final(data.embed_keys), **embed)
+        converged = converged & np.asarray(cv.per_member(info.converged))
         rho_pop = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_pop, strict=True)])
         D_pop = cv.per_member(D_pop)
-    if cfg.normalize_D:
-        D, D_true, D_pop = (
-            None if a is None else protocol.mean_normalized(a) for a in (D, D_true, D_pop)
-        )
-
+        if cfg.normalize_D:
+            D_true, D_pop = protocol.mean_normalized(D_true), protocol.mean_normalized(D_pop)
     L_f, L_max = protocol.smoothness_constants(cv.train, cfg.lam)
-    labels = protocol.cluster_labels(D, cfg.cluster_grid)
-    return Batch(cv, D, D_true, D_pop, labels, L_f, L_max, theta_true, converged, rho_pop)
+    return Batch(data, D_true, D_pop, L_f, L_max, theta_true, converged, rho_pop)
 
 
 def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
@@ -220,10 +220,12 @@ def _metrics(theta, evals):
     }
 
 
-def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, log=print) -> dict:
-    """Cross-validates every method (pooled validation MSE) and scores its final fits."""
-    cv, K = batch.cv, cfg.num_folds
+def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, D=None, log=print) -> dict:
+    """Cross-validates every method (pooled validation MSE) and scores its final fits;
+    ``D``: the members' dissimilarities instead of the batch's."""
+    cv, K = batch.data.cv, cfg.num_folds
     rows = np.asarray(cv.evals.counts, np.float64).reshape(cfg.seeds, K + 1, 1, -1)[:, :K]
+    kw = batch.data.member_kwargs(L_f=batch.L_f, L_max=batch.L_max)
     return protocol.compare(
         specs,
         jnp.zeros((cfg.dim,), jnp.float32),
@@ -232,7 +234,7 @@ def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, log=print) -> d
         num_rounds=cfg.rounds,
         eval_fn=_metrics,
         eval_data=(cv.evals, cv.per_member(batch.theta_true)),
-        member_kwargs=dict(D=batch.D, labels=batch.labels, L_f=batch.L_f, L_max=batch.L_max),
+        member_kwargs=kw if D is None else kw | {"D": D},
         # pooled validation MSE: squared errors of all clients / their rows
         score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
         fold_weights=rows.sum(-1)[..., 0],
@@ -246,7 +248,7 @@ def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, log=print) -> d
 
 def _exact_references(batch: Batch, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
     """Estimation errors of the closed-form local and pooled ridge fits, per seed."""
-    out, final = {"local_error": [], "global_error": []}, batch.cv.final(batch.cv.train)
+    out, final = {"local_error": [], "global_error": []}, batch.data.cv.final(batch.data.cv.train)
     for s, truth in enumerate(batch.theta_true):
         fits = ev.ridge_solutions(ClientData(*(a[s] for a in final)), cfg.lam)
         for key, theta in zip(out, fits, strict=True):
@@ -264,45 +266,41 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     ``command`` is the command line quoted in the table's notes. Returns the summary dict.
     """
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    out.mkdir(parents=True, exist_ok=True)
     log(f"config: {dataclasses.asdict(cfg)}")
     batch = build_batch(cfg, log=log)
     if not batch.embedding_converged.all():
         log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
-    specs = methods(cfg, int(batch.cv.train.x.shape[2]))
-    names = [m for m in METHODS + EXTRA if m in cfg.methods or m == "Karula"]
-    grids = [f"{name}: {', '.join(specs[name].labels())}" for name in names if specs[name].tuned]
-    log("CV grids: " + "; ".join(grids))
-    results = run_methods({name: specs[name] for name in names}, batch, cfg, log=log)
+    specs = methods(cfg, int(batch.data.cv.train.x.shape[2]))
+    specs = {name: specs[name] for name in protocol.selected(cfg.methods, METHODS + EXTRA)}
+    grids = protocol.describe_grids(specs)
+    log("CV grids: " + grids)
+    results = run_methods(specs, batch, cfg, log=log)
     if cfg.diagnostics:
         for name, D in zip(DIAGNOSTICS, (batch.D_true, batch.D_population), strict=True):
-            results |= run_methods({name: specs["Karula"]}, batch._replace(D=D), cfg, log=log)
+            results |= run_methods({name: specs["Karula"]}, batch, cfg, D, log=log)
     refs = _exact_references(batch, cfg)
 
     # Dissimilarity structure: truth vs Karula's D vs distances between Local models.
-    D_full = np.asarray(batch.cv.final(batch.D))
+    D_full = np.asarray(batch.data.cv.final(batch.D))
     truth = [ev.pairwise_sq_distances(t) for t in batch.theta_true]
     local = [ev.pairwise_sq_distances(p) for p in results["Local"].metrics["theta"]]
     rho_D = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_full, strict=True)])
     rho_loc = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, local, strict=True)])
-    reporting.plot_heatmaps(
+    heatmaps = functools.partial(
+        reporting.plot_heatmaps,
         [truth[0], D_full[0], local[0]],
         [
             "true $\\|\\theta_i^* - \\theta_j^*\\|^2$",
             f"Karula's $D_{{ij}}$ (Spearman {rho_D[0]:.2f})",
             f"Local models $\\|\\theta_i - \\theta_j\\|^2$ (Spearman {rho_loc[0]:.2f})",
         ],
-        out / "heatmaps.png",
         suptitle="Synthetic ridge, seed 0 (clients ordered by group)",
     )
-
     values = {
         name: {"estimation_error": r.metrics["error"].mean(-1), "test_r2": r.metrics["r2"].mean(-1)}
         for name, r in results.items()
     }
-    rows = reporting.comparison_rows(values, reference="Karula", paired="estimation_error")
-    for row, r in zip(rows, results.values(), strict=True):
-        row["cv_choice"] = reporting.choice_counts(r.chosen_labels) or "-"
+    rows = protocol.study_rows(values, results, paired="estimation_error", untuned="-")
     runtime, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     diagnostics = cfg.diagnostics and (
         f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
@@ -313,7 +311,7 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
         f"{cfg.seeds} seeds, mean ± 2 SE over seeds; {cfg.rounds} rounds, "
         f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
         f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was chosen) "
-        f"from the grids {'; '.join(grids)}.",
+        f"from the grids {grids}.",
         f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
         f"{_pm(rho_D)}, Local-model distances {_pm(rho_loc)} (paired difference "
         f"{format_mean_se(*paired_difference(rho_D, rho_loc), digits=3)}).",
@@ -326,11 +324,6 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
     columns = [("method", "Method"), ("estimation_error", "Estimation error")]
     columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
     columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
-    digits = {"estimation_error": 2, "test_r2": 3, "karula_minus": 2}
-    title = "Synthetic ridge regression (paper Table 1)"
-    table = reporting.write_table(
-        rows, columns, out / "table", title=title, notes=notes, digits=digits
-    )
     summary = {
         "config": dataclasses.asdict(cfg),
         "runtime_s": runtime,
@@ -355,8 +348,18 @@ def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dic
             for name, r in results.items()
         },
     }
-    reporting.write_json(summary, out / "config.json")
-    log("\n" + table + "\n" + "\n".join(notes))
+    protocol.write_study(
+        out,
+        rows,
+        columns,
+        title="Synthetic ridge regression (paper Table 1)",
+        notes=notes,
+        digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
+        summary=summary,
+        figures={"heatmaps.png": heatmaps},
+        json="config.json",
+        log=log,
+    )
     return summary
 
 
