@@ -902,10 +902,10 @@ def test_nonfinite_report_names_the_data_first():
     msg = str(err.value)
     first = msg.index("(1) non-finite data: data.x has NaN or inf in the real rows of client 2")
     assert first < msg.index("(2) labels outside the model's classes") < msg.index("(3) a step")
-    finite = str(training.reports.nonfinite_error(3, np.array(False), "none", ""))
+    finite = str(training.diagnostics.nonfinite_error(3, np.array(False), "none", ""))
     assert "(1) non-finite data: none found" in finite and "lower learning_rate" in finite
     padded = DATA._replace(x=DATA.x.at[0, 3, 0].set(jnp.inf))  # padding: not a cause
-    assert training.reports.nonfinite_data(padded) == ""
-    assert "(batch member, client) pair (1, 2)" in training.reports.nonfinite_data(
+    assert training.diagnostics.nonfinite_data(padded) == ""
+    assert "(batch member, client) pair (1, 2)" in training.diagnostics.nonfinite_data(
         jax.tree.map(lambda a, b: jnp.stack([a, b]), DATA, bad)
     )

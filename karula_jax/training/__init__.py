@@ -12,8 +12,9 @@
 * :mod:`~karula_jax.training.sharding`: the client or batch axis on a device mesh
   (one process or several: :func:`gather_to_host`).
 * :mod:`~karula_jax.training.progress`: tqdm bars (:func:`progress_bar`).
-* :mod:`~karula_jax.training.reports`: projection diagnostics
-  (:func:`round_diagnostics`, :class:`ProjectionNotConvergedWarning`).
+* :mod:`~karula_jax.training.diagnostics`: what a run reports about itself: projection
+  diagnostics (:func:`round_diagnostics`, :class:`ProjectionNotConvergedWarning`),
+  non-finite rounds and their likely causes, failed checks of traced inputs.
 """
 
 from karula_jax.training.batched import product_grid, run_many, vmap_algorithm
@@ -23,13 +24,13 @@ from karula_jax.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from karula_jax.training.loop import RunResult, run, scan_rounds
-from karula_jax.training.progress import progress_bar
-from karula_jax.training.reports import (
+from karula_jax.training.diagnostics import (
     ProjectionNotConvergedWarning,
     describe_diagnostics,
     round_diagnostics,
 )
+from karula_jax.training.loop import RunResult, run, scan_rounds
+from karula_jax.training.progress import progress_bar
 from karula_jax.training.sharding import client_mesh, gather_to_host, shard_leading_axis
 
 __all__ = [

@@ -38,8 +38,8 @@ from jax.sharding import Mesh
 from karula_jax._checks import DeferredChecks, defer, deferred_checks
 from karula_jax.algorithms.base import Algorithm
 from karula_jax.training import checkpoint as ckpt
+from karula_jax.training.diagnostics import warn_unconverged, where_in_batch
 from karula_jax.training.loop import EvalFn, RunResult, run_chunks
-from karula_jax.training.reports import warn_unconverged, where_in_batch
 from karula_jax.training.sharding import (
     Placement,
     check_divisible,

@@ -37,8 +37,7 @@ from jax.sharding import Mesh
 from karula_jax._checks import DeferredChecks, check_positive_int, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.training import checkpoint as ckpt
-from karula_jax.training.progress import RoundBar, scalar_summary
-from karula_jax.training.reports import (
+from karula_jax.training.diagnostics import (
     first_nonfinite,
     nonfinite_data,
     nonfinite_error,
@@ -46,6 +45,7 @@ from karula_jax.training.reports import (
     round_diagnostics,
     warn_unconverged,
 )
+from karula_jax.training.progress import RoundBar, scalar_summary
 from karula_jax.training.sharding import Placement, client_placement, gather_to_host
 
 __all__ = ["RunResult", "run", "scan_rounds"]

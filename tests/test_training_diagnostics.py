@@ -1,4 +1,4 @@
-"""What a run reports (``karula_jax.training.reports``): non-finite rounds, unconverged
+"""What a run reports (``karula_jax.training.diagnostics``): non-finite rounds, unconverged
 projections, their diagnostics.
 
 They run on the toy algorithm of ``tests/_training_helpers.py``, so that they do not
@@ -21,7 +21,7 @@ from _training_helpers import (
 
 from karula_jax import training
 from karula_jax.algorithms.base import RoundInfo
-from karula_jax.training import reports
+from karula_jax.training import diagnostics
 
 
 def test_nonfinite_round_raises_and_names_it(tmp_path):
@@ -104,7 +104,7 @@ def test_round_diagnostics_of_batched_and_long_histories():
     with pytest.warns(
         training.ProjectionNotConvergedWarning, match=r"\(0-based: 3, 7, .*, 13, \.\.\.\)"
     ):
-        reports.warn_unconverged(diag)
+        diagnostics.warn_unconverged(diag)
     assert training.round_diagnostics(None)["unconverged_rounds"] == []
 
 
