@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
@@ -14,10 +11,12 @@ import time
 import jax
 import numpy as np
 
-from experiments.report import DATA_DIR, OUTPUT, markdown_table, publish
+from experiments.paths import DATA_DIR, OUTPUT
+from karula_jax.benchmarking import bench_page, publish, run_header
 from karula_jax.data import load_leaf, synthetic_ridge
 from karula_jax.embedding import dissimilarities
 from karula_jax.evaluation import exact_pairwise_w1, pairwise_sq_distances, spearman_offdiag
+from karula_jax.reporting import cli
 from karula_jax.training import progress_bar
 
 Cases = tuple[tuple[int, float], ...]  # (number of clients, epsilon)
@@ -119,32 +118,30 @@ def bench(cfg: EmbeddingBenchConfig, data_dir: pathlib.Path) -> tuple[list[str],
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
-    parser.add_argument("--data-dir", type=pathlib.Path, default=DATA_DIR)
-    parser.add_argument("--out", type=pathlib.Path, default=OUTPUT / "bench/embedding.md")
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else EmbeddingBenchConfig()
+    cfg, args = cli(
+        EmbeddingBenchConfig,
+        argv,
+        quick=lambda _: QUICK,
+        description=__doc__,
+        out=OUTPUT / "bench/embedding.md",
+        data_dir=dict(type=pathlib.Path, default=DATA_DIR, help="holds femnist/"),
+    )
     rows, large = bench(cfg, args.data_dir)
-    text = "\n".join(
-        [
-            "# Embedding benchmark\n",
-            f"`python -m experiments.bench_embedding{' --quick' * args.quick}`; "
-            f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU (JAX on "
-            f"{jax.devices()[0].platform}), shared with other jobs (load average "
-            f"{os.getloadavg()[0]:.1f} at the end): absolute times are noisy, old and new are "
-            f"interleaved in one process. N0 = {cfg.num_reference}, row norm, threshold 1e-3.\n",
-            "old = plain Sinkhorn, all clients in one vmap (`momentum_start=None, "
-            "batch_size=None`); new = the defaults (adaptive momentum from iteration 50, plain "
-            "polish, batches of 16). old_s / new_s = best of 2 warm calls (reference draw + "
-            "Sinkhorn + pairwise D); exact_s = `ot.emd2` for all pairs (single-threaded); "
-            "spearman = rank correlation of D with exact W1; true models: "
-            "||theta_i* - theta_j*||^2.\n",
-            markdown_table(HEAD, rows),
-            "\nMany clients (synthetic ridge, epsilon 0.05, new solver; each run in its own "
-            "process, wall time includes compilation; peak RSS of that process):\n",
-            markdown_table("n | batch_size | wall_s | peak_rss_MiB | converged | max_iter", large),
-        ]
+    text = bench_page(
+        "Embedding benchmark",
+        run_header("experiments.bench_embedding", argv, cfg),
+        f"Old and new are interleaved in one process. N0 = {cfg.num_reference}, row norm, "
+        "threshold 1e-3.\n",
+        "old = plain Sinkhorn, all clients in one vmap (`momentum_start=None, "
+        "batch_size=None`); new = the defaults (adaptive momentum from iteration 50, plain "
+        "polish, batches of 16). old_s / new_s = best of 2 warm calls (reference draw + "
+        "Sinkhorn + pairwise D); exact_s = `ot.emd2` for all pairs (single-threaded); "
+        "spearman = rank correlation of D with exact W1; true models: "
+        "||theta_i* - theta_j*||^2.\n",
+        (HEAD, rows),
+        "\nMany clients (synthetic ridge, epsilon 0.05, new solver; each run in its own "
+        "process, wall time includes compilation; peak RSS of that process):\n",
+        ("n | batch_size | wall_s | peak_rss_MiB | converged | max_iter", large),
     )
     publish(text, args.out, quick=args.quick)
 

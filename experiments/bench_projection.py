@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import pathlib
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table, publish
+from experiments.paths import OUTPUT
 from karula_jax import projection
+from karula_jax.benchmarking import bench_page, cvxpy_projection, publish, run_header
+from karula_jax.reporting import cli
 from karula_jax.training import progress_bar
 
 
@@ -156,17 +154,9 @@ def solve(v, radii_sq, method: str, dtype: str, reps: int, max_iter: int):
 
 def solve_cvxpy(v, radii_sq):
     """(wall seconds with problem construction, solver seconds, objective, violation)."""
-    import cvxpy as cp
-
-    n, _ = v.shape
     t0 = time.perf_counter()
-    th = cp.Variable(v.shape)
-    r = np.sqrt(radii_sq)
-    cons = [cp.norm(th[i] - th[j]) <= r[i, j] for i in range(n) for j in range(i + 1, n)]
-    prob = cp.Problem(cp.Minimize(0.5 * cp.sum_squares(th - v)), cons)
-    prob.solve(solver=cp.CLARABEL)
-    wall, theta = time.perf_counter() - t0, np.asarray(th.value)
-    obj = 0.5 * np.sum((theta - v) ** 2)
+    theta, _, prob = cvxpy_projection(v, radii_sq)
+    wall, obj = time.perf_counter() - t0, 0.5 * np.sum((theta - v) ** 2)
     return wall, prob.solver_stats.solve_time, obj, rel_violation(theta, radii_sq)
 
 
@@ -204,37 +194,32 @@ def bench(cfg: ProjectionBenchConfig) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK}; prints only")
-    parser.add_argument("--out", type=pathlib.Path, default=OUTPUT / "bench/projection.md")
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else ProjectionBenchConfig()
+    out = OUTPUT / "bench/projection.md"
+    cfg, args = cli(
+        ProjectionBenchConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out
+    )
     rows, robust = bench(cfg), robustness(cfg)
     head = "(n, p) | solver | dtype | time [s] | CPU time [s] | compile [s] | iterations"
     head += " | delta / S | rel. violation | speed-up vs cvxpy"
-    text = "\n".join(
-        [
-            "# Projection onto K: karula_jax vs cvxpy (Clarabel)\n",
-            f"`python -m experiments.bench_projection{' --quick' * args.quick}`; "
-            f"{platform.machine()}, {os.cpu_count()} CPU cores (shared, load average "
-            f"{os.getloadavg()[0]:.1f} at the end), jax {jax.__version__}; {cfg}.\n",
-            "Time: the fastest call after compilation (compile = first call minus it); CPU "
-            "time: the process CPU time of that call. delta / S: certified relative "
-            "suboptimality (cvxpy: its objective minus karula_jax's best float64 dual bound). "
-            "Relative violation: max_ij (||theta_i - theta_j|| - r_ij)+ / max r_ij, from "
-            "explicit float64 differences. cvxpy's time includes building the problem.\n",
-            markdown_table(head, rows),
-            f"\n## Robustness\n\n{cfg.robust_reps} random instances of each kind ("
-            f"{', '.join(KINDS)}; :func:`hard_instance`) for n in {cfg.robust_n} and p in "
-            f"{cfg.robust_p}, float32, tol = 1e-6, max_iter = "
-            f"{ROBUST_MAX_ITER} (Karula's round allows 1000). Time: median of one compiled "
-            "call.\n",
-            markdown_table(
-                "solver | converged | worst delta / S | worst rel. violation | median "
-                "iterations | median time [ms]",
-                robust,
-            ),
-        ]
+    text = bench_page(
+        "Projection onto K: karula_jax vs cvxpy (Clarabel)",
+        run_header("experiments.bench_projection", argv, cfg),
+        "Time: the fastest call after compilation (compile = first call minus it); CPU "
+        "time: the process CPU time of that call. delta / S: certified relative "
+        "suboptimality (cvxpy: its objective minus karula_jax's best float64 dual bound). "
+        "Relative violation: max_ij (||theta_i - theta_j|| - r_ij)+ / max r_ij, from "
+        "explicit float64 differences. cvxpy's time includes building the problem.\n",
+        (head, rows),
+        f"\n## Robustness\n\n{cfg.robust_reps} random instances of each kind ("
+        f"{', '.join(KINDS)}; :func:`hard_instance`) for n in {cfg.robust_n} and p in "
+        f"{cfg.robust_p}, float32, tol = 1e-6, max_iter = "
+        f"{ROBUST_MAX_ITER} (Karula's round allows 1000). Time: median of one compiled "
+        "call.\n",
+        (
+            "solver | converged | worst delta / S | worst rel. violation | median "
+            "iterations | median time [ms]",
+            robust,
+        ),
     )
     publish(text, args.out, quick=args.quick)
 

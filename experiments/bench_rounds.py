@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table, publish
+from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
 from karula_jax import projection, training
 from karula_jax.algorithms._common import client_batch, sample_participants
 from karula_jax.algorithms.variance_reduction import variance_reduced_direction
-from karula_jax.data import client_weights, random_classification
-from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
-from karula_jax.reporting import cli, machine
+from karula_jax.benchmarking import bench_page, fastest, mlp_problem, publish, run_header
+from karula_jax.data import client_weights
+from karula_jax.models import output_layer_mask
+from karula_jax.reporting import cli
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +58,6 @@ class RoundsConfig:
 QUICK = RoundsConfig(rounds=10, eager_rounds=1, t_values=(1e-4,))
 
 
-def make_problem(n: int, seed: int = 0):
-    """(data, params, loss, D): n FEMNIST-shaped random clients, the MLP, D in [0.5, 1.5]."""
-    model = mlp(100, 10)
-    params = init_params(model, jax.random.PRNGKey(seed), (1, 784))
-    d = np.triu(np.random.default_rng(seed + 1).uniform(0.5, 1.5, size=(n, n)), 1)
-    return random_classification(n, seed=seed), params, cross_entropy_loss(model.apply), d + d.T
-
-
 def eager_round(state, *, data, cfg, grad_fn, project, radii):
     """One Karula round (FedAvg when ``project`` is None) as a loop over the participants.
 
@@ -96,18 +88,6 @@ def eager_round(state, *, data, cfg, grad_fn, project, radii):
     v = jax.tree.map(lambda th, d: th - cfg.karula_lr * d, state.params, nu)
     theta, info = project(v, radii, warm_start=state.proj_state)
     return state._replace(params=theta, memory=memory, proj_state=info.state, round=state.round + 1)
-
-
-def fastest(steps, state, reps: int):
-    """Best seconds of each ``state = step(state)`` over ``reps`` alternating calls."""
-    states = [jax.block_until_ready(step(state)) for step in steps]  # warm-up
-    best = [np.inf] * len(steps)
-    for _ in range(reps):
-        for k, step in enumerate(steps):
-            t0 = time.perf_counter()
-            states[k] = jax.block_until_ready(step(states[k]))
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best, states
 
 
 def loop_columns(cfg, alg, problem, project, radii, rate) -> str:
@@ -147,7 +127,7 @@ def share_columns(cfg, alg, bare_alg, data, res) -> str:
 
 def bench(cfg: RoundsConfig) -> tuple[list[str], list[str]]:
     """Rows of the speed-up table and of the projection-share table."""
-    problem = data, params, loss, D = make_problem(cfg.num_clients)
+    problem = data, params, loss, D = mlp_problem(cfg.num_clients)
     pers = output_layer_mask(params)
     proj = functools.partial(projection.project, personalized=pers, max_iter=1000)
     kw = dict(clients_per_round=cfg.per_round, batch_size=cfg.batch_size)
@@ -183,31 +163,27 @@ PROJ_HEAD = (
 )
 
 
-def to_markdown(cfg, quick, rows, proj_rows) -> str:
-    return "\n".join(
-        [
-            "# Compiled rounds vs an eager per-client Python loop\n",
-            f"`python -m experiments.bench_rounds{' --quick' * quick}`; {machine()}, "
-            f"jax {jax.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cfg}. Times are the "
-            "best of several calls. Eager: a Python loop over the participants with "
-            "un-jitted `jax.value_and_grad` and `projection.project`; loop+jit: the same "
-            "loop with both jitted; the last column compares the eager and compiled "
-            "parameters after the same rounds.\n",
-            markdown_table(HEAD, rows),
-            "\nProjection share of a compiled Karula round: the same compiled chunk of rounds "
-            "with and without the projection (traced with `projection.project` replaced by "
-            "the identity), timed alternately; share = 1 - without / with. Iterations, gap "
-            "and violation: the compiled run.\n",
-            markdown_table(PROJ_HEAD, proj_rows),
-        ]
+def to_markdown(cfg, argv, rows, proj_rows) -> str:
+    return bench_page(
+        "Compiled rounds vs an eager per-client Python loop",
+        run_header("experiments.bench_rounds", argv, cfg),
+        "Times are the best of several calls. Eager: a Python loop over the participants "
+        "with un-jitted `jax.value_and_grad` and `projection.project`; loop+jit: the same "
+        "loop with both jitted; the last column compares the eager and compiled "
+        "parameters after the same rounds.\n",
+        (HEAD, rows),
+        "\nProjection share of a compiled Karula round: the same compiled chunk of rounds "
+        "with and without the projection (traced with `projection.project` replaced by "
+        "the identity), timed alternately; share = 1 - without / with. Iterations, gap "
+        "and violation: the compiled run.\n",
+        (PROJ_HEAD, proj_rows),
     )
 
 
 def main(argv=None) -> None:
     out = OUTPUT / "bench/rounds.md"
     cfg, args = cli(RoundsConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
-    publish(to_markdown(cfg, args.quick, *bench(cfg)), args.out, quick=args.quick)
+    publish(to_markdown(cfg, argv, *bench(cfg)), args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table, publish
+from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
-from karula_jax.data import random_classification
-from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
-from karula_jax.reporting import cli, run_header
+from karula_jax.benchmarking import (
+    bench_page,
+    compiled_round,
+    mlp_problem,
+    nbytes,
+    publish,
+    run_header,
+)
+from karula_jax.models import output_layer_mask
+from karula_jax.reporting import cli, markdown_table
 from karula_jax.training import progress_bar
 
 
@@ -57,10 +64,6 @@ class ScaleConfig:
 QUICK = ScaleConfig(sizes=(30, 100), rounds=3)
 
 
-def nbytes(tree) -> int:
-    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
-
-
 def minimum_bytes(params, pers, n: int, karula: bool) -> int:
     """What the method must hold: FedAvg one model; Karula the gradient memory n x p,
     the personalized leaves n x p_pers, the shared leaves once and n^2 dual scalars."""
@@ -73,23 +76,8 @@ def minimum_bytes(params, pers, n: int, karula: bool) -> int:
     return n * total + n * own + (total - own) + 4 * n * n
 
 
-def compiled_round(round_fn, state, data):
-    """(compiled ``(state, data) -> state`` round, compile seconds). As in ``training.run``
-    the data are an argument (not constants folded into the program) and the state is
-    donated (updated in place, not copied: Karula's is ``n x p``)."""
-    t0 = time.perf_counter()
-    fn = jax.jit(round_fn, donate_argnums=0).lower(state, data).compile()
-    return fn, time.perf_counter() - t0
-
-
 def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
-    data, model = random_classification(n, seed=0), mlp(100, 10)
-    params, loss = (
-        init_params(model, jax.random.PRNGKey(0), (1, 784)),
-        cross_entropy_loss(model.apply),
-    )
-    D = np.triu(np.random.default_rng(1).uniform(0.5, 1.5, size=(n, n)), 1)
-    D = D + D.T
+    data, params, loss, D = mlp_problem(n)  # FEMNIST's shapes, D uniform in [0.5, 1.5]
     pers = output_layer_mask(params)
     kw = dict(clients_per_round=max(1, n // 10), batch_size=cfg.batch_size)
     bare = {}
@@ -150,19 +138,17 @@ HEAD = (
 
 
 def to_markdown(cfg, argv, rows) -> str:
-    return "\n".join(
-        [
-            "# FedAvg and Karula rounds as the number of clients grows\n",
-            run_header("experiments.bench_scale", argv, cfg),
-            "One process; after one warm-up round the methods take turns round by round "
-            "and the median round is reported. Compile: lowering and compiling one round. "
-            "State: bytes of the `FedState` leaves; minimum: what the method must hold "
-            "(FedAvg one model; Karula the gradient memory n x p, the personalized leaves "
-            "n x p_pers, shared leaves once and n^2 dual scalars). Projection share: 1 - "
-            "(the same round with the projection replaced by the identity) / (the round). "
-            "Pairs with lam > 0: of the n(n-1)/2 multipliers after the last round.\n",
-            markdown_table(HEAD, rows),
-        ]
+    return bench_page(
+        "FedAvg and Karula rounds as the number of clients grows",
+        run_header("experiments.bench_scale", argv, cfg),
+        "One process; after one warm-up round the methods take turns round by round "
+        "and the median round is reported. Compile: lowering and compiling one round. "
+        "State: bytes of the `FedState` leaves; minimum: what the method must hold "
+        "(FedAvg one model; Karula the gradient memory n x p, the personalized leaves "
+        "n x p_pers, shared leaves once and n^2 dual scalars). Projection share: 1 - "
+        "(the same round with the projection replaced by the identity) / (the round). "
+        "Pairs with lam > 0: of the n(n-1)/2 multipliers after the last round.\n",
+        (HEAD, rows),
     )
 
 

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table, publish
+from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
+from karula_jax.benchmarking import bench_page, publish, run_header
 from karula_jax.data import synthetic_ridge
 from karula_jax.models import ridge_loss
-from karula_jax.reporting import cli, run_header
+from karula_jax.reporting import cli
 from karula_jax.training import progress_bar, run_many
 
 
@@ -112,17 +113,15 @@ def main(argv=None) -> None:
     rows = []
     for case in progress_bar(cfg.cases, desc="cases"):
         rows += bench_case(cfg, *case)
-    text = "\n".join(
-        [
-            "# Projection solvers in vmapped Karula runs (small n)\n",
-            run_header("experiments.bench_solvers", argv, cfg),
-            "Ridge Karula, every seed and t of the grid in one vmapped run (`run_many`), "
-            "warm-started projection, tol 1e-6, 1000 iterations at most. Run: the compiled "
-            "rounds' time (faster of the repetitions); iterations are per member and round; "
-            "rounds missing tol: rounds in which some member's projection stopped above "
-            "its tolerance (still feasible).\n",
-            markdown_table(HEAD, rows),
-        ]
+    text = bench_page(
+        "Projection solvers in vmapped Karula runs (small n)",
+        run_header("experiments.bench_solvers", argv, cfg),
+        "Ridge Karula, every seed and t of the grid in one vmapped run (`run_many`), "
+        "warm-started projection, tol 1e-6, 1000 iterations at most. Run: the compiled "
+        "rounds' time (faster of the repetitions); iterations are per member and round; "
+        "rounds missing tol: rounds in which some member's projection stopped above "
+        "its tolerance (still feasible).\n",
+        (HEAD, rows),
     )
     publish(text, args.out, quick=args.quick)
 

@@ -10,17 +10,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table, publish
+from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax import protocol
+from karula_jax.benchmarking import (
+    bench_page,
+    compiled_round,
+    publish,
+    random_dissimilarities,
+    run_header,
+)
+from karula_jax.benchmarking import iteration_distribution as distribution
 from karula_jax.data import ClientData, random_classification, synthetic_ridge
 from karula_jax.models import cross_entropy_loss, init_params, logistic_loss, mlp, ridge_loss
-from karula_jax.reporting import cli, run_header
+from karula_jax.reporting import cli, markdown_table
 from karula_jax.training import progress_bar
-
-# Iteration bins of the distribution column (upper ends, inclusive).
-BINS = (0, 1, 2, 5, 10, 20, 50)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +185,7 @@ def mlp_workload(cfg: StudyConfig, n: int, members: int) -> Workload:
     ]
     data = protocol.stack_datasets(sets)
     rng = np.random.default_rng(1)
-    D = []
-    for _ in range(members):
-        u = np.triu(rng.uniform(0.5, 1.5, size=(n, n)), 1)
-        D.append(u + u.T)
+    D = [random_dissimilarities(n, rng=rng) for _ in range(members)]
     p = int(sum(x.size for x in jax.tree.leaves(params)))
     return Workload(
         name=f"mlp n={n} (whole model)",
@@ -222,10 +224,6 @@ def _algorithms(cfg: StudyConfig, w: Workload):
     return karula, fedavg
 
 
-def _compile(fn, *args):
-    return jax.jit(fn, donate_argnums=0).lower(*args).compile()
-
-
 def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     """Times FedAvg, Karula and Karula without its projection on ``w``'s batch."""
     karula, fedavg = _algorithms(cfg, w)
@@ -249,12 +247,12 @@ def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     f_round = lambda st, d, r: jax.vmap(lambda st, d, r: fedavg(r).round(st, d))(  # noqa: E731
         st, d, r
     )
-    fns = {"FedAvg": _compile(f_round, f_state, w.data, w.rate_fedavg)}
-    fns["Karula"] = _compile(k_round, k_state, *k_args)
+    fns = {"FedAvg": compiled_round(f_round, f_state, w.data, w.rate_fedavg)[0]}
+    fns["Karula"] = compiled_round(k_round, k_state, *k_args)[0]
     bare = lambda st, d, D, t, *r: jax.vmap(  # noqa: E731 - the round, projection skipped
         lambda st, d, D, t, *r: k_alg(D, t, *r, projection_method="none").round(st, d)
     )(st, d, D, t, *r)
-    fns["bare"] = _compile(bare, k_state, *k_args)
+    fns["bare"] = compiled_round(bare, k_state, *k_args)[0]
     big = w.n >= cfg.large
     warmup, rounds = (cfg.warmup_large, cfg.rounds_large) if big else (cfg.warmup, cfg.rounds)
     for _ in range(warmup):
@@ -299,18 +297,6 @@ def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     )
 
 
-def distribution(its: np.ndarray) -> str:
-    """Share of member-rounds per iteration bin, e.g. ``0:40% 1:30% ...``."""
-    parts, lo = [], 0
-    for hi in (*BINS, np.inf):
-        k = np.mean((its >= lo) & (its <= hi))
-        if k > 0:
-            label = f"{lo}" if lo == hi else f"{lo}-{hi:g}" if np.isfinite(hi) else f">{lo - 1}"
-            parts.append(f"{label}:{100 * k:.0f}%")
-        lo = hi + 1
-    return " ".join(parts)
-
-
 HEAD = (
     "workload | p | members | FedAvg ms | Karula ms | ratio (median, min-max) | projection share"
     " | iterations mean / max | iteration distribution | cap hits | unconverged"
@@ -340,20 +326,18 @@ def workloads(cfg: StudyConfig):
 
 
 def to_markdown(cfg, argv, rows) -> str:
-    return "\n".join(
-        [
-            "# Karula where its constraints bind: vmapped member-rounds against FedAvg\n",
-            run_header("experiments.bench_study", argv, cfg),
-            "One process per table; after the warm-up rounds the methods take turns round "
-            "by round. Times are per member-round (a batch's round / its members), median "
-            "over the timed rounds; the ratio's range is over those rounds. Projection "
-            "share: 1 - (the same round with the projection replaced by the identity) / "
-            "(the round). Iterations: the projection solver's, per member-round (under "
-            "vmap a batch waits for its slowest member). Worst gap: the largest certified "
-            "gap (absolute); unconverged: member-rounds above tolerance. Pairs with lam > "
-            "0: share of the n(n-1)/2 multipliers, mean over members and timed rounds.\n",
-            markdown_table(HEAD, rows),
-        ]
+    return bench_page(
+        "Karula where its constraints bind: vmapped member-rounds against FedAvg",
+        run_header("experiments.bench_study", argv, cfg),
+        "One process per table; after the warm-up rounds the methods take turns round "
+        "by round. Times are per member-round (a batch's round / its members), median "
+        "over the timed rounds; the ratio's range is over those rounds. Projection "
+        "share: 1 - (the same round with the projection replaced by the identity) / "
+        "(the round). Iterations: the projection solver's, per member-round (under "
+        "vmap a batch waits for its slowest member). Worst gap: the largest certified "
+        "gap (absolute); unconverged: member-rounds above tolerance. Pairs with lam > "
+        "0: share of the n(n-1)/2 multipliers, mean over members and timed rounds.\n",
+        (HEAD, rows),
     )
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import DATA_DIR, OUTPUT
+from experiments.paths import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import models, protocol, reporting
 from karula_jax.data import client_weights, load_leaf

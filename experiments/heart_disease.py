@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import DATA_DIR, OUTPUT
+from experiments.paths import DATA_DIR, OUTPUT
 from karula_jax import protocol, reporting
 from karula_jax.data import load_heart_disease
 from karula_jax.data.heart_disease import HOSPITALS

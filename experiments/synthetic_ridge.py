@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT
+from experiments.paths import OUTPUT
 from karula_jax import evaluation as ev
 from karula_jax import protocol, reporting
 from karula_jax.data import ClientData, synthetic_ridge

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import OUTPUT, markdown_table
+from experiments.paths import OUTPUT
 from karula_jax import reporting, theory
 from karula_jax.algorithms import karula, lipschitz_ridge
 from karula_jax.data import client_weights, synthetic_ridge
@@ -211,7 +211,7 @@ def run(cfg: TheoryConfig, out, command: str) -> list[dict]:
             f"{cfg.lam}, K = {cfg.rounds}, {cfg.seeds} participation draws; L_max = {L:.4g}, "
             f"eta = 3/(8 L_max) = {eta:.4g}, f(theta^0) - f* = {gap0:.4g} (cvxpy).",
             "",
-            markdown_table(head, lines),
+            reporting.markdown_table(head, lines),
             "",
             f"Figure: `bound.png`. Command: `{command}`; {time.perf_counter() - start:.0f} s.",
         ]

@@ -4,12 +4,13 @@ Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projectio
 ``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) ->
 ``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE)
 -> ``reporting`` (tables, JSON, figures); ``theory`` holds the quantities of the paper's
-convergence theory. Every public submodule is reachable as an attribute after ``import
-karula_jax``.
+convergence theory, ``benchmarking`` what the benchmarks share. Every public submodule is
+reachable as an attribute after ``import karula_jax``.
 """
 
 from karula_jax import (
     algorithms,
+    benchmarking,
     data,
     embedding,
     evaluation,
@@ -24,6 +25,7 @@ from karula_jax import (
 
 __all__ = [
     "algorithms",
+    "benchmarking",
     "data",
     "embedding",
     "evaluation",

@@ -5,8 +5,9 @@
   measured column ``k`` has its mean in ``k`` and its 2-SE half width in ``k_2se``) and
   Markdown with ``mean ± 2 SE``. :func:`mean_se_columns`, :func:`paired_columns` and
   :func:`comparison_rows` fill such rows from per-seed values ``[S]``.
-* :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_client_triplet` write PNGs;
-  :func:`machine` names the device a benchmark ran on.
+* :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_lines`,
+  :func:`plot_client_triplet` write PNGs; :func:`markdown_table` formats rows written as
+  text. (A benchmark's page: :mod:`karula_jax.benchmarking`.)
 
 Every writer creates the missing folders of its path.
 
@@ -21,15 +22,10 @@ import csv
 import dataclasses
 import inspect
 import json
-import os
 import pathlib
-import platform
-import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
@@ -39,7 +35,6 @@ __all__ = [
     "cli",
     "comparison_rows",
     "keyword_option",
-    "machine",
     "markdown_table",
     "mean_se_columns",
     "paired_columns",
@@ -47,7 +42,6 @@ __all__ = [
     "plot_curves",
     "plot_heatmaps",
     "plot_lines",
-    "publish",
     "write_json",
     "write_table",
 ]
@@ -227,34 +221,6 @@ def markdown_table(head: str, rows: list[str]) -> str:
     """A markdown table from a header and rows written as ``a | b | c`` (no outer bars)."""
     rule = "|" + "---|" * (head.count("|") + 1)
     return "\n".join([f"| {head} |", rule, *(f"| {row} |" for row in rows)])
-
-
-def publish(text: str, out: pathlib.Path, *, quick: bool) -> None:
-    """Prints a bench's report and writes it to ``out`` unless it was a quick run."""
-    print(text)
-    if not quick:
-        _writable(out).write_text(text + "\n")
-
-
-def machine() -> str:
-    """The device a benchmark ran on, for its table's header."""
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        load = os.getloadavg()[0]
-        return (
-            f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
-            f"average {load:.1f} at the end), no GPU"
-        )
-    return f"{dev.device_kind} ({dev.platform}), host with {os.cpu_count()} CPU cores"
-
-
-def run_header(module: str, argv: Sequence[str] | None, cfg: Any) -> str:
-    """A bench report's first line: the command as run (``argv``: its flags, ``None`` for
-    ``sys.argv``), the device, jax's version, the date and the config."""
-    flags = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python -m " + module, *flags])
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return f"`{command}`; {machine()}, jax {jax.__version__}, {stamp}; {cfg}.\n"
 
 
 def write_json(obj: Any, path: pathlib.Path) -> None:

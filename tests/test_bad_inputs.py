@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import karula_jax as kj
-from karula_jax import embedding, models, projection, protocol, reporting, training
+from karula_jax import benchmarking, embedding, models, projection, protocol, reporting, training
 from karula_jax.algorithms import (
     fedavg,
     fedsgd,
@@ -715,7 +715,7 @@ def test_writers_create_missing_folders(tmp_path):
     assert (deep / "table.md").read_text().startswith("# t")
     reporting.write_json({"x": np.arange(2)}, tmp_path / "c" / "s.json")
     assert json.loads((tmp_path / "c" / "s.json").read_text()) == {"x": [0, 1]}
-    reporting.publish("report", tmp_path / "d" / "r.md", quick=False)
+    benchmarking.publish("report", tmp_path / "d" / "r.md", quick=False)
     assert (tmp_path / "d" / "r.md").read_text() == "report\n"
 
 

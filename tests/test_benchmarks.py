@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_scale import compiled_round
 from karula_jax import algorithms as A
+from karula_jax.benchmarking import compiled_round
 from karula_jax.data import random_classification
 from karula_jax.models import cross_entropy_loss, init_params, mlp, output_layer_mask
 

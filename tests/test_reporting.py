@@ -97,12 +97,3 @@ def test_client_triplet_picks_nearest_and_farthest(tmp_path):
     assert near == min(others, key=lambda j: D[a, j])
     assert far == max(others, key=lambda j: D[a, j])
     assert (tmp_path / "c.png").stat().st_size > 0
-
-
-def test_run_header_names_the_command_as_run_and_the_config(monkeypatch):
-    line = reporting.run_header("experiments.bench_x", ["--out", "/tmp/x.md"], "Cfg(a=1)")
-    assert line.startswith("`python -m experiments.bench_x --out /tmp/x.md`; ")
-    assert line.endswith(" UTC; Cfg(a=1).\n") and "jax " in line
-    monkeypatch.setattr("sys.argv", ["prog", "--quick"])
-    assert reporting.run_header("m", None, "C").startswith("`python -m m --quick`; ")
-    assert reporting.run_header("m", [], "C").startswith("`python -m m`; ")

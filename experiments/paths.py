@@ -1,4 +1,5 @@
-"""Where the experiments read data and write results (the writers: :mod:`karula_jax.reporting`).
+"""Where the experiments read data and write results (the writers: :mod:`karula_jax.reporting`
+for the studies, :mod:`karula_jax.benchmarking` for the benchmarks).
 
 Every experiment writes under :data:`OUTPUT` (``runs/``, ignored by git; the environment
 variable ``KARULA_OUTPUT_DIR`` moves it), in the layout of the committed ``results/``: running
@@ -11,9 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from karula_jax.reporting import markdown_table, publish
-
-__all__ = ["DATA_DIR", "OUTPUT", "markdown_table", "publish"]
+__all__ = ["DATA_DIR", "OUTPUT"]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUTPUT = pathlib.Path(os.environ.get("KARULA_OUTPUT_DIR", REPO / "runs"))
