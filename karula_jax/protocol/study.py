@@ -47,7 +47,7 @@ from karula_jax.protocol.datasets import (
     member_dissimilarities,
     stack_datasets,
 )
-from karula_jax.protocol.methods import SUITE, Method, build_methods
+from karula_jax.protocol.methods import REGISTRY, Method, build_methods
 from karula_jax.protocol.rates import smoothness_constants, smoothness_rates
 
 __all__ = [
@@ -160,9 +160,11 @@ def draw_study(
     return StudyData(cv, D, cluster_labels(D, cluster_grid), converged, extras, embed_keys)
 
 
-def selected(names: Sequence[str], order: Sequence[str] = SUITE, reference="Karula") -> list:
-    """The methods of ``order`` that ``names`` holds, in that order; ``reference`` always
-    (the paired reference of the table)."""
+def selected(names: Sequence[str], order: Sequence[str] | None = None, reference="Karula") -> list:
+    """The methods of ``order`` (default: every registered method, in the registry's order)
+    that ``names`` holds, in that order; ``reference`` always (the table's paired reference).
+    """
+    order = tuple(REGISTRY) if order is None else order
     return [m for m in order if m in names or m == reference]
 
 
