@@ -48,7 +48,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     mask = dual_mask(red)
     eps = jnp.finfo(red.w.dtype).eps
     lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
-    pdot = lambda a, b: 0.5 * jnp.sum(a * b)  # inner product over pairs i < j
 
     def kkt(lam, ev):
         rel = 2.0 * ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
@@ -58,7 +57,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         def trial(alpha):
             new = jnp.maximum(lam + alpha * s, 0.0)
             ev_new = evaluate(new)
-            gain = pdot(ev.grad, new - lam)
+            gain = _pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
             # Near the solution the gain drops below the float resolution of g: there a
             # step is accepted when it reduces the relative KKT residual instead.
@@ -125,6 +124,11 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
 
+def _pair_dot(a, b):
+    """Inner product over the pairs ``i < j`` of two symmetric ``[n, n]`` arrays."""
+    return 0.5 * jnp.sum(a * b)
+
+
 def _hvp(ev, mask, x):
     """``-H x`` for the dual Hessian ``H`` at ``ev``, ``x`` [n, n] symmetric over pairs."""
     # (B^T A^-1 B o (B^T th)(B^T th)^T) x = pair differences of A^-1 L_x th th^T
@@ -160,8 +164,9 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     s_fixed = jnp.where(active, -lam, 0.0)
     b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
     op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
-    pdot = lambda a, b: 0.5 * jnp.sum(a * b)
-    s = _pcg(op, b, jnp.where(free, pre, 1.0), pdot, rtol=0.1, max_iter=cg_iter, running=running)
+    s = _pcg(
+        op, b, jnp.where(free, pre, 1.0), _pair_dot, rtol=0.1, max_iter=cg_iter, running=running
+    )
     return jnp.where(free, s, s_fixed), jnp.where(mask, diag_step, 0.0)
 
 
