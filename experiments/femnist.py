@@ -25,7 +25,7 @@ from karula_jax.stats import format_mean_se, mean_and_se
 
 __all__ = ["Config", "library_rates", "main", "run_experiment"]
 
-METHODS = ("Local", "FedAvg", "IFCA", "Karula") + protocol.SUITE[6:]
+METHODS = ("Local", "FedAvg", "IFCA", "Karula") + protocol.SUITE[6:] + ("FedPer",)
 TUNING_SEED = 10_000  # the writer draw on which the CV grids are decided
 
 
@@ -38,7 +38,9 @@ class Config:
     refreshes the committed pages); ``results/femnist/`` holds the defaults (the
     paper's rates on LEAF's pixels), ``--invert --tag invert_paper``, ``--invert
     --rate-scale 10 --tag invert_x10`` and ``--invert --rates default --tag
-    invert_default``.
+    invert_default``; ``--invert --rates cv --tag invert_cv`` (every method's rate chosen
+    by CV) and ``--invert --rates default --t-sweep ... --tag t_sweep`` (Karula over t at
+    one step) are the configurations the README's verdict rests on.
 
     Expected and runtime: ``results/femnist/README.md`` (8 seeds: about 25 minutes per
     command on an idle 2-core machine).
@@ -52,15 +54,22 @@ class Config:
       seeds: seeds (writer draw, initial model, participation, minibatches), vmapped.
       paper_rates: the paper's step sizes (summed-loss units, see README); FedProx,
         SCAFFOLD, Ditto and the clustered FedAvg take FedAvg's, the penalty Karula's.
-      rates: ``"paper"`` (``paper_rates`` times ``rate_scale``) or ``"default"``: every
+      rates: ``"paper"`` (``paper_rates`` times ``rate_scale``), ``"default"``: every
         method at its own default step from each draw's smoothness at the initial model
-        (:func:`karula_jax.protocol.default_rates`; Karula's is its ``learning_rate=None``).
+        (:func:`karula_jax.protocol.default_rates`; Karula's is its ``learning_rate=None``),
+        or ``"cv"``: every method's rate chosen by CV on the tuning draw, jointly with its
+        other hyperparameter, among the paper's rates times ``rate_multiples`` and the
+        method's own default (Karula's without coupling, its ``t = inf`` rule).
+      rate_multiples: the common log grid of ``rates="cv"`` (increasing; a choice of the
+        first or last is flagged as a grid edge).
       rate_scale, local_steps: multiplies every paper rate; the FedAvg family's local steps.
       ifca_clusters, t: IFCA's clusters (independent random models); Karula's radius scale.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
       invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
       *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``).
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
+      t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
+        Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer.
     """
 
     data_dir: str = str(DATA_DIR / "femnist")
@@ -79,6 +88,7 @@ class Config:
     )
     rates: str = "paper"
     rate_scale: float = 1.0
+    rate_multiples: tuple[float, ...] = (1.0, 3.0, 10.0, 30.0, 100.0)
     local_steps: int = 5
     ifca_clusters: int = 3
     t: float = 20.0
@@ -91,6 +101,7 @@ class Config:
     penalty_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
     cluster_grid: tuple[int, ...] = (2, 3, 5)
     methods: tuple[str, ...] = METHODS
+    t_sweep: tuple[float, ...] = ()
 
 
 def quick_config(cfg: Config) -> Config:
@@ -113,29 +124,45 @@ def library_rates(cfg: Config, counts) -> dict[str, np.ndarray]:
     return {m: r * cfg.rate_scale * factor[m] for m, r in cfg.paper_rates}
 
 
+def rate_choices(cfg: Config) -> list[str]:
+    """The rate choices of ``rates="cv"``: the paper's rates times each multiple, then
+    each method's own default."""
+    return [f"rate x{m:g}" for m in cfg.rate_multiples] + ["default rate"]
+
+
 def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protocol.Method]:
-    """Every method; steps from the member argument ``rates`` (:func:`library_rates`);
-    ``personal``: the leaves Karula and the penalty personalize."""
-    pick = lambda key: lambda rates, **_: rates[key]
+    """Every method; steps from the member argument ``rates`` (:func:`library_rates`;
+    with ``rates="cv"``, ``[C]`` choices per member, crossed with each method's grid);
+    ``personal``: the leaves Karula, the penalty and FedPer personalize."""
+    cv = cfg.rates == "cv"
+    pick = lambda key: (
+        (lambda rates, rate, **_: rates[key][rate]) if cv else (lambda rates, **_: rates[key])
+    )
     steps = dict(local=pick("local"), fedavg=pick("fedavg"), ifca=pick("fedavg"))
     steps |= dict(karula=pick("karula"), penalty=pick("karula"), ditto_personal=pick("fedavg"))
-    steps["penalty_mu"] = lambda rates, mu, **_: mu / rates["karula"]
-    if cfg.rates == "default":  # Karula's own rule, with the coupling of its t and D
+    steps["penalty_mu"] = lambda mu, **kw: mu / steps["karula"](**kw)
+    if cfg.rates == "default" and not cfg.t_sweep:  # Karula's rule, coupled to its t and D
         steps["karula"] = lambda **_: None
     grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t, "FedProx": cfg.fedprox_grid}
     grids |= {"Ditto": cfg.ditto_grid, "Laplacian penalty on D": cfg.penalty_grid}
     grids |= {"Clustered FedAvg on D": cfg.cluster_grid}
     mask = dict(personalized=personal)
-    return protocol.build_methods(
+    methods = protocol.build_methods(
         names,
         loss=loss,
         rates=steps,
         grids=grids,
-        options={"Karula": mask, "Laplacian penalty on D": mask},
+        options={"Karula": mask, "Laplacian penalty on D": mask, "FedPer": mask},
         clients_per_round=cfg.clients_per_round,
         batch_size=cfg.batch_size,
         local_steps=cfg.local_steps,
     )
+    if not cv:
+        return methods
+    cross = lambda m: protocol.cross_choice(
+        m, "rate", rate_choices(cfg), ordered=len(cfg.rate_multiples)
+    )
+    return {name: cross(m) for name, m in methods.items()}
 
 
 def _study_data(cfg: Config, seeds, num_folds: int, fold_keys=None) -> protocol.StudyData:
@@ -166,16 +193,24 @@ def _member_kwargs(cfg: Config, model, data: protocol.StudyData, keys, params) -
     clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(k, c))(cs))(keys)
     train = data.cv.train
     rates = library_rates(cfg, train.counts)
-    if cfg.rates == "default":  # params [B, ...]: each data set's initial model
+    if cfg.rates in ("default", "cv"):  # params [B, ...]: each data set's initial model
         loss = models.cross_entropy_loss(model.apply)
-        rates = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
+        own = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
+        if cfg.rates == "default":
+            rates = own
+        else:  # [B, C]: the paper's times each multiple, then the method's own default
+            rates = {
+                k: np.stack([v * m for m in cfg.rate_multiples] + [own[k]], -1)
+                for k, v in rates.items()
+            }
     rates = {k: jnp.asarray(v, jnp.float32) for k, v in rates.items()}
     return data.member_kwargs(rates=rates, clusters=clusters)
 
 
-def tune(cfg: Config, model, methods) -> tuple[dict, dict]:
+def tune(cfg: Config, model, methods) -> tuple[dict, dict, dict]:
     """Every method at the grid point 2-fold CV (validation log-loss) chose on the tuning
-    draw (:func:`karula_jax.protocol.fix_choices`): ``(methods, {name: point})``."""
+    draw (:func:`karula_jax.protocol.fix_choices`): ``(methods, {name: point}, {name:
+    label})``, the label ending in ``" [edge]"`` where the choice is a grid edge."""
     keys = jax.random.key(TUNING_SEED)[None]
     data = _study_data(cfg, [TUNING_SEED], 2, fold_keys=keys)
     members, p0 = data.cv.per_member(keys), models.init_params(model, keys[0], (1, 784))
@@ -191,7 +226,20 @@ def tune(cfg: Config, model, methods) -> tuple[dict, dict]:
         member_kwargs=_member_kwargs(cfg, model, data, members, stacked),
         describe=lambda o: f"CV on the tuning draw: {o.labels}",
     )
-    return protocol.fix_choices(methods, outcomes)
+    fixed, chosen = protocol.fix_choices(methods, outcomes)
+    return fixed, chosen, {name: o.chosen_labels[0] for name, o in outcomes.items()}
+
+
+def _rates_text(cfg: Config) -> str:
+    """How the steps were set, for the notes."""
+    if cfg.rates == "paper":
+        return f"paper rates x {cfg.rate_scale:g}"
+    if cfg.rates == "cv":
+        return (
+            f"rates chosen by CV among the paper's x {', '.join(map(str, cfg.rate_multiples))}"
+            " and each method's default"
+        )
+    return "each method's default rate"
 
 
 def main(argv=None) -> dict:
@@ -204,8 +252,12 @@ def main(argv=None) -> dict:
         out=OUTPUT / "femnist",
         tag=dict(default="", help="suffix of the output file names"),
     )
+    if cfg.rates not in ("paper", "default", "cv"):
+        raise ValueError(f"rates must be 'paper', 'default' or 'cv', got {cfg.rates!r}")
     if cfg.rounds % cfg.eval_every:
         cfg = dataclasses.replace(cfg, eval_every=cfg.rounds)
+    if cfg.t_sweep:
+        return run_t_sweep(cfg, args.out, args.tag)
     return run_experiment(cfg, args.out, args.tag)
 
 
@@ -218,7 +270,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
     personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
     methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
-    fixed, chosen = tune(cfg, model, methods)
+    fixed, chosen, labels = tune(cfg, model, methods)
 
     data = _study_data(cfg, S, 0)  # no folds: the grids are fixed
     train, test, writers = data.cv.train, data.cv.evals, data.extras
@@ -257,20 +309,24 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     acc = {m: 100 * o.curves["test_acc"][:, -1] for m, o in outcomes.items()}  # [S, n]
     leaves = [a.reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(outcomes["IFCA"].params)]
     ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
+    rounds = np.asarray(outcomes["Karula"].rounds)
+    late = int(np.searchsorted(rounds, 0.8 * cfg.rounds))  # the last fifth of the rounds
+    loss_curve = lambda name: outcomes[name].curves["train_loss"]  # [S, T]
     values = {
         name: {
             "test_acc": a.mean(1),
             "pooled_acc": (a * test_counts).sum(1) / test_counts.sum(1),
-            "train_loss": outcomes[name].curves["train_loss"][:, -1],
+            "train_loss": loss_curve(name)[:, -1],
+            "loss_drop": loss_curve(name)[:, late] - loss_curve(name)[:, -1],
         }
         for name, a in acc.items()
     }
-    labels = {name: methods[name].label(point) for name, point in chosen.items()}
     rows = protocol.study_rows(values, outcomes, paired="test_acc", choice="chosen", choices=labels)
     columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
     columns += [("pooled_acc", "pooled test acc. (%)")]
     columns += [("karula_minus", "Karula minus method (paired)")]
     columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
+    columns += [("loss_drop", f"training loss drop, rounds {int(rounds[late])}-{cfg.rounds}")]
     columns += [("chosen", "CV choice (tuning draw)"), ("runtime_s", "runtime (s)")]
     rates = kw["rates"]
     notes = [
@@ -280,11 +336,10 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         f"the seeds' mean accuracies, decided when it exceeds its 2 SE.",
         f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
         f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
-        f"pixels, {f'paper rates x {cfg.rate_scale:g}' if cfg.rates == 'paper' else 'defaults'}"
-        " (library rates, seed 0: "
-        + ", ".join(f"{k} {v[0]:.4g}" for k, v in rates.items())
+        f"pixels, {_rates_text(cfg)} (library rates, seed 0: "
+        + ", ".join(f"{k} {np.round(np.asarray(v[0]), 4)}" for k, v in rates.items())
         + f"). Karula: t = {cfg.t:g} on D ({cfg.norm} norm), output layer personalized (also "
-        f"in the penalty); the FedAvg family: {cfg.local_steps} local "
+        f"in the penalty and FedPer); the FedAvg family: {cfg.local_steps} local "
         f"steps; IFCA: {cfg.ifca_clusters} independently initialized clusters, in use at the "
         f"end per seed: {ifca_used}.",
         f"Grids decided by 2-fold CV on writer draw {TUNING_SEED}: "
@@ -292,6 +347,8 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         + ". Runtime: all seeds of a method, compilation included.",
         "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
         "FedAvg 84.4 ± 2.39, IFCA 83.9 ± 2.60.",
+        f"Flattened: the training loss (seed mean) drops by the 'loss drop' column over the "
+        f"last fifth of the rounds; curves{sfx}.png shows every curve.",
     ]
     curves = {
         m: {
@@ -322,6 +379,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     summary = {
         "config": dataclasses.asdict(cfg),
         "chosen": chosen,
+        "chosen_labels": labels,
         "ifca_clusters_in_use": ifca_used,
         "karula_active_fraction": active,
         "embedding_converged": converged,
@@ -336,9 +394,133 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         columns,
         title=f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}",
         notes=notes,
-        digits=dict(test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1),
+        digits=dict(test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1, loss_drop=4),
         summary=summary,
         figures={f"curves{sfx}.png": plot_curves},
+        table=f"table{sfx}",
+        json=f"summary{sfx}.json",
+    )
+    print(f"wrote {out} in {summary['total_seconds']:.0f}s")
+    return summary
+
+
+def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
+    """Karula at every ``t`` of ``cfg.t_sweep`` at one step, and FedPer: what the
+    constraints add over free output layers.
+
+    Every t takes the same step: Karula's default without coupling (its ``t = inf`` rule,
+    which the projection, a nonexpansive map, cannot make unstable) with ``rates="default"``,
+    else Karula's paper rate; so accuracy against t isolates the constraint. FedPer is
+    FedAvg with the output layer personalized (its own rate rule). Writes
+    ``table_<tag>``, ``<tag>.png`` (accuracy and active pairs against t, the paper's
+    ``t = 20`` marked) and ``summary_<tag>.json``.
+    """
+    sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
+    model = models.mlp(cfg.hidden, 10)
+    loss = models.cross_entropy_loss(model.apply)
+    seed_keys = jax.vmap(jax.random.key)(jnp.arange(S))
+    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
+    personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
+    base = make_methods(cfg, loss, personal, ["Karula", "FedPer"])
+    name = lambda t: f"Karula t={t:g}"
+    methods = {
+        name(t): base["Karula"]._replace(make=functools.partial(base["Karula"].make, t=float(t)))
+        for t in cfg.t_sweep
+    }
+    methods["FedPer"] = base["FedPer"]
+    data = _study_data(cfg, S, 0)
+    test = data.cv.evals
+    kw = _member_kwargs(cfg, model, data, seed_keys, params0)
+    outcomes = protocol.compare(
+        methods,
+        params0,
+        data.cv,
+        keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
+        num_rounds=cfg.rounds,
+        eval_fn=lambda p, d: {"test_acc": ev.accuracy(model.apply, p, d)},
+        eval_data=test,
+        member_kwargs=kw,
+        params_per_seed=True,
+        final_params=True,
+        describe=lambda o: f"{100 * o.metrics['test_acc'].mean():.1f} %",
+    )
+    D = np.asarray(data.D)
+    sq = lambda p, s: ev.pairwise_sq_distances(jax.tree.map(lambda a: a[s], p), personal)
+    active = {
+        name(t): np.array(
+            [ev.active_fraction(sq(outcomes[name(t)].params, s), D[s], t) for s in range(S)]
+        )
+        for t in cfg.t_sweep
+    }
+    acc = {m: 100 * o.metrics["test_acc"].mean(-1) for m, o in outcomes.items()}  # [S]
+    reference = name(max(cfg.t_sweep))
+    rows = reporting.comparison_rows(
+        {m: {"test_acc": a} for m, a in acc.items()}, reference=reference, paired="test_acc"
+    )
+    for row in rows:
+        frac = active.get(row["method"])
+        row["active"] = "" if frac is None else f"{100 * frac.mean():.2f}"
+        row["runtime_s"] = outcomes[row["method"]].seconds
+    columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
+    key = reference.lower() + "_minus"
+    columns += [(key, f"{reference} minus method (paired)"), (key + "_decided", "decided (> 2 SE)")]
+    columns += [("active", "active pairs at the end (%)"), ("runtime_s", "runtime (s)")]
+    rates = np.asarray(kw["rates"]["karula"])
+    notes = [
+        f"{S} writer draws of {cfg.num_clients} as in table.md, {cfg.rounds} rounds, "
+        f"{'inverted' if cfg.invert else 'LEAF'} pixels. Karula at every t takes one step "
+        f"(seed 0: {rates[0]:.4g}; {_rates_text(cfg)}, Karula's without coupling), "
+        "output layer personalized, D the row-norm linearized W1; FedPer: FedAvg "
+        f"({cfg.local_steps} local steps, its own rate) with the output layer personalized.",
+        "Active: pairs i < j with ||theta_i - theta_j||^2 >= (1 - 1e-3) t D_ij over the "
+        "output layers at the end (t = 0: every pair; t = inf: none), mean over draws. "
+        "± is 2 SE over draws; paired differences against Karula at the largest t.",
+    ]
+
+    def plot(path):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        finite = [t for t in cfg.t_sweep if 0 < t < np.inf]
+        lo, hi = min(finite) / 3, max(finite) * 3
+        x = np.array([lo if t == 0 else hi if np.isinf(t) else t for t in cfg.t_sweep])
+        ys = [(acc[name(t)].mean(), 2 * acc[name(t)].std(ddof=1) / np.sqrt(S)) for t in cfg.t_sweep]
+        fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+        m, e = np.array(ys).T
+        axes[0].errorbar(x, m, yerr=e, marker="o", capsize=3, label="Karula (± 2 SE)")
+        fp = acc["FedPer"]
+        axes[0].axhline(fp.mean(), color="gray", ls="--", label="FedPer")
+        axes[1].plot(x, [100 * active[name(t)].mean() for t in cfg.t_sweep], marker="o")
+        for ax, ylabel in zip(
+            axes, ("mean per-writer test accuracy (%)", "active pairs (%)"), strict=True
+        ):
+            ax.set(xscale="log", xlabel="t (left end: t = 0, right end: t = inf)", ylabel=ylabel)
+            ax.axvline(20.0, color="red", lw=0.8, ls=":", label="paper's t = 20")
+            ax.grid(alpha=0.3)
+        axes[0].legend(frameon=False, fontsize=8)
+        fig.suptitle(f"FEMNIST: Karula over t at one step, {S} writer draws")
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "accuracy": {m: a.tolist() for m, a in acc.items()},
+        "active_fraction": {m: a.tolist() for m, a in active.items()},
+        "rows": rows,
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    protocol.write_study(
+        out,
+        rows,
+        columns,
+        title=f"FEMNIST: Karula over t at one step{' - ' + tag if tag else ''}",
+        notes=notes,
+        digits={"test_acc": 1, key: 1, "runtime_s": 1},
+        summary=summary,
+        figures={f"{tag or 't_sweep'}.png": plot},
         table=f"table{sfx}",
         json=f"summary{sfx}.json",
     )

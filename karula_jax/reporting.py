@@ -47,10 +47,16 @@ __all__ = [
 ]
 
 
+# An empty tuple default is read by its annotation.
+_TUPLE_TYPES = {"tuple[float,...]": float, "tuple[int,...]": int, "tuple[str,...]": str}
+
+
 def _option_type(field: dataclasses.Field, default: Any):
     """How a config field is read from the command line, or None if it is not offered."""
     if isinstance(default, tuple) and default and isinstance(default[0], int | float | str):
         kind = type(default[0])
+        return lambda text: tuple(kind(v) for v in text.split(","))
+    if default == () and (kind := _TUPLE_TYPES.get(str(field.type).replace(" ", ""))):
         return lambda text: tuple(kind(v) for v in text.split(","))
     if isinstance(default, int | float | str) and not isinstance(default, bool):
         return type(default)

@@ -22,6 +22,7 @@ from karula_jax.protocol import (
     choice_grid,
     cluster_labels,
     compare,
+    cross_choice,
     cross_validate,
     cv_datasets,
     default_rates,
@@ -130,6 +131,35 @@ def test_grid_edges_are_flagged_unless_natural_limits():
     assert suite["IFCA"].natural_points() == [0]
     assert suite["Clustered FedAvg on D"].natural_points() == []
     assert Method(lambda **_: None).natural_points() == []
+
+
+def test_cross_choice_crosses_every_point_with_every_choice_and_flags_both_axes():
+    """A rate choice crossed with a grid (FEMNIST's joint rate CV): every point at every
+    choice, the choice innermost; an edge on either axis is flagged, natural limits and
+    the unordered choice (a method's own default) are not."""
+    mu = Method(lambda **_: None, **scalar_grid("mu", [0.0, 0.1, 1.0]))
+    crossed = cross_choice(mu, "rate", ["x1", "x10", "x100", "default"], ordered=3)
+    points = crossed.points()
+    assert len(points) == 12 and crossed.tuned
+    assert [(round(float(p["mu"]), 6), int(p["rate"])) for p in points[:5]] == [
+        (0.0, 0),
+        (0.0, 1),
+        (0.0, 2),
+        (0.0, 3),
+        (0.1, 0),
+    ]
+    assert crossed.labels()[5] == "mu=0.1 + x10"
+    # mu = 0 is natural, mu = 1 an edge; x1 and x100 are edges, x10 and default are not
+    expected = [m == 2 or r in (0, 2) for m in range(3) for r in range(4)]
+    np.testing.assert_array_equal(crossed.edge(np.arange(12)), expected)
+    plain = cross_choice(Method(lambda **_: None), "rate", ["a", "b", "c"])
+    assert plain.labels() == ["a", "b", "c"] and [p["rate"] for p in plain.points()] == [0, 1, 2]
+    np.testing.assert_array_equal(plain.edge(np.arange(3)), [True, False, True])
+    # make sees the choice index and the base point
+    seen = {}
+    m = cross_choice(Method(lambda **kw: seen.update(kw), **scalar_grid("mu", [2.0])), "r", "ab")
+    m.make(**m.points()[1])
+    assert float(seen["mu"]) == 2.0 and int(seen["r"]) == 1
 
 
 def test_cross_validate_matches_a_hand_made_selection():

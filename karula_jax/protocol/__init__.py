@@ -45,6 +45,7 @@ from karula_jax.protocol.methods import (
     MethodRow,
     build_methods,
     choice_grid,
+    cross_choice,
     register,
     scalar_grid,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "StudyResult",
     "build_methods",
     "choice_grid",
+    "cross_choice",
     "cluster_labels",
     "compare",
     "cross_validate",

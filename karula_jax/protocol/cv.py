@@ -215,8 +215,7 @@ def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
         return np.zeros(S, dtype=int), None, np.zeros(S, bool)
     valid = val["finite"]
     sel = ev.select_by_cv(score(val), fold_weights=fold_weights, valid=valid, maximize=maximize)
-    edge = ev.grid_edge(sel.index, len(method.labels()), natural=method.natural_points())
-    return sel.index, sel.score, edge
+    return sel.index, sel.score, method.edge(sel.index)
 
 
 def _warn_capped(desc: str | None, reports: list[str]) -> None:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from karula_jax import algorithms as A
+from karula_jax import evaluation as ev
 from karula_jax.algorithms.base import Algorithm, LossFn
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "MethodRow",
     "build_methods",
     "choice_grid",
+    "cross_choice",
     "register",
     "scalar_grid",
 ]
@@ -52,6 +54,9 @@ class Method(NamedTuple):
         exists beyond it), ``natural(point) -> bool``; None: a point whose every value is
         0 or infinite (``t = 0``, ``t = inf``, ``mu = 0``). A CV choice on another edge of
         the grid is flagged (:func:`karula_jax.evaluation.grid_edge`).
+      edges: for a grid of several axes (:func:`cross_choice`), ``edges(index) -> bool``
+        per chosen index ``[S]``: the choice is on an edge of an axis that is not a
+        natural limit; None: :meth:`edge` applies ``natural`` to the list of points.
     """
 
     make: Callable[..., Algorithm]
@@ -59,6 +64,7 @@ class Method(NamedTuple):
     static_grid: Sequence[Mapping[str, Any]] | None = None
     label: Callable[[Mapping[str, Any]], str] | None = None
     natural: Callable[[Mapping[str, Any]], bool] | None = None
+    edges: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def tuned(self) -> bool:
@@ -84,6 +90,13 @@ class Method(NamedTuple):
         name = self.label or (lambda p: ", ".join(f"{k}={v:.3g}" for k, v in p.items()))
         return [name(p) for p in self.points()]
 
+    def edge(self, index) -> np.ndarray:
+        """Whether each chosen point index ``[S]`` sits on an edge of the grid that is not a
+        natural limit (the grid is too narrow there)."""
+        if self.edges is not None:
+            return np.asarray(self.edges(np.asarray(index)), bool)
+        return ev.grid_edge(index, len(self.labels()), natural=self.natural_points())
+
 
 def scalar_grid(name: str, values, *, shown: str | None = None) -> dict[str, Any]:
     """``Method`` keywords for a traced grid of one scalar argument ``name`` (float32);
@@ -107,6 +120,49 @@ def choice_grid(
         label=lambda p: f"{name}={choices[int(p[name])]}",
         natural=lambda p: natural(choices[int(p[name])]),
     )
+
+
+def cross_choice(
+    method: Method, name: str, choices: Sequence[str], *, ordered: int | None = None
+) -> Method:
+    """``method`` with its grid crossed with a traced choice ``name`` (e.g. a step size).
+
+    ``make`` receives the index of a choice as ``name`` (traced), to look up per-member
+    values (e.g. ``rates[key][name]``, a ``[C]`` table per member); every point of
+    ``method`` is run with every choice, in one compiled program.
+
+    Args:
+      method: the method and its grid (traced and static); untuned methods get the
+        choices alone.
+      name: the keyword of the choice index.
+      choices: the choices' labels, ``[C]``.
+      ordered: the first ``ordered`` choices are ordered values (e.g. multiples of a
+        rate, increasing), so a choice of the first or last of them is an edge; the
+        others (e.g. a method's own default) are not on an axis. Default: all ``C``.
+
+    Returns:
+      A :class:`Method` whose points are ``method``'s times the choices (choice
+      innermost), labelled ``"<point> + <choice>"``, with an edge wherever ``method``'s
+      point or the ordered choice is one.
+    """
+    C, base = len(choices), method.points()
+    ordered = C if ordered is None else ordered
+    grid = {k: np.repeat(np.asarray(v), C) for k, v in (method.grid or {}).items()}
+    G = len(next(iter(grid.values()))) // C if grid else 1
+    grid[name] = np.tile(np.arange(C), G)
+    base_labels = method.labels()
+
+    def label(point) -> str:
+        index = [i for i, b in enumerate(base) if all(point[k] == v for k, v in b.items())]
+        text = base_labels[index[0]] if index else ""
+        return " + ".join(x for x in (text, str(choices[int(point[name])])) if x)
+
+    def edges(index):
+        own = method.edge(index // C) if method.tuned else np.zeros(np.shape(index), bool)
+        choice = index % C
+        return own | (ordered > 1) & ((choice == 0) | (choice == ordered - 1))
+
+    return method._replace(grid=grid, label=label, natural=None, edges=edges)
 
 
 GRID_KINDS = ("traced", "static", "choice")
