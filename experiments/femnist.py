@@ -227,7 +227,8 @@ def tune(cfg: Config, model, methods) -> tuple[dict, dict, dict]:
         describe=lambda o: f"CV on the tuning draw: {o.labels}",
     )
     fixed, chosen = protocol.fix_choices(methods, outcomes)
-    return fixed, chosen, {name: o.chosen_labels[0] for name, o in outcomes.items()}
+    labels = {name: methods[name].labels()[0] for name in chosen}  # one-point grids
+    return fixed, chosen, labels | {name: o.chosen_labels[0] for name, o in outcomes.items()}
 
 
 def _rates_text(cfg: Config) -> str:
