@@ -225,6 +225,7 @@ def tune(cfg: Config, model, methods) -> tuple[dict, dict, dict]:
         score=lambda v: v["nll"].mean(-1),
         member_kwargs=_member_kwargs(cfg, model, data, members, stacked),
         describe=lambda o: f"CV on the tuning draw: {o.labels}",
+        final_fits=False,  # only the choice is used
     )
     fixed, chosen = protocol.fix_choices(methods, outcomes)
     labels = {name: methods[name].labels()[0] for name in chosen}  # one-point grids

@@ -205,6 +205,22 @@ def test_cross_validate_matches_a_hand_made_selection():
     assert [lab.endswith(" [edge]") for lab in out.chosen_labels] == list(want == 2)
     np.testing.assert_allclose(out.metrics["mse"], mse[np.arange(S), K, want], rtol=1e-6)
     assert out.grid_metrics["mse"].shape == (S, 3, 3) and out.finite.all()
+    # the folds alone (a tuning draw): the same choice; metrics are the fold means
+    folds_only = cross_validate(
+        Method(make, {"lr": rates}),
+        jnp.zeros(2),
+        cv,
+        keys=keys,
+        num_rounds=rounds,
+        eval_fn=metrics,
+        score=lambda m: m["mse"].mean(-1),
+        final_fits=False,
+        progress=False,
+    )
+    np.testing.assert_array_equal(folds_only.chosen, want)
+    np.testing.assert_allclose(folds_only.cv_score, out.cv_score, rtol=1e-6)
+    np.testing.assert_allclose(folds_only.grid_metrics["mse"], mse[:, :K].mean(1), rtol=1e-6)
+    assert folds_only.curves == {} and folds_only.params is None
     # no grid: final fits only, one grid point
     fixed = cross_validate(
         Method(lambda: make(0.5)), jnp.zeros(2), cv, keys=keys, num_rounds=rounds, eval_fn=metrics
@@ -214,6 +230,16 @@ def test_cross_validate_matches_a_hand_made_selection():
     with pytest.raises(ValueError, match="score"):
         cross_validate(
             Method(make, {"lr": rates}), jnp.zeros(2), cv, keys=keys, num_rounds=1, eval_fn=metrics
+        )
+    with pytest.raises(ValueError, match="final_fits=False"):
+        cross_validate(
+            Method(lambda: make(0.5)),
+            jnp.zeros(2),
+            cv,
+            keys=keys,
+            num_rounds=1,
+            eval_fn=metrics,
+            final_fits=False,
         )
 
 

@@ -103,6 +103,7 @@ def cross_validate(
     warn_unconverged: bool = True,
     desc: str | None = None,
     final_params: bool = False,
+    final_fits: bool = True,
     **run_kwargs,
 ) -> CVOutcome:
     """Trains ``method`` on every member and grid point, picks a point per seed by CV.
@@ -127,6 +128,10 @@ def cross_validate(
         projection can turn this off; the report is still returned in ``diagnostics``).
       desc: the method's name on its progress bars and in its warning.
       final_params: also return the final fits' client models (``CVOutcome.params``).
+      final_fits: train the final fits; False (a tuned method only, e.g. CV on a separate
+        tuning draw whose final fits nobody reads) trains the folds alone, a ``1 / (K +
+        1)`` saving: ``metrics`` and ``grid_metrics`` then hold the validation metrics
+        averaged over the folds, ``curves`` is empty and ``params`` None.
       **run_kwargs: further options of :func:`karula_jax.training.run_many`. Defaults
         here: ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of
         ``num_rounds`` (the bar advances after every chunk; results do not depend on the
@@ -138,8 +143,12 @@ def cross_validate(
     S, K = data.num_seeds, data.num_folds
     if method.tuned and score is None:
         raise ValueError("score is required for a method with a grid")
-    # Untuned methods need the final fits only.
+    if not final_fits and not (method.tuned and K):
+        raise ValueError("final_fits=False needs a method with a grid and folds (K >= 1)")
+    # Untuned methods need the final fits only; final_fits=False: the folds only.
     members = np.arange(S * (K + 1)) if method.tuned else np.arange(S) * (K + 1) + K
+    if not final_fits:
+        members, final_params = members[members % (K + 1) < K], False
     final = slice(K, None, K + 1) if method.tuned else slice(None)  # among the members
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
@@ -178,7 +187,8 @@ def cross_validate(
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
         m["finite"] = np.asarray(res.info.finite).all(axis=0)
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
-        curves.append({k: _final_curves(v, final, method.grid) for k, v in res.metrics.items()})
+        if final_fits:
+            curves.append({k: _final_curves(v, final, method.grid) for k, v in res.metrics.items()})
         if final_params:  # [S, G, n, ...]
             client = _client_models(
                 make, method.grid, res.state, take(data.train), batch_kwargs, params_per_seed
@@ -188,7 +198,12 @@ def cross_validate(
     m = {k: v.reshape((S, -1) + v.shape[1:]) for k, v in m.items()}  # [S, F, G, ...]
     val = {k: v[:, :K] for k, v in m.items()}
     chosen, cv_score, edge = _choose(method, val, score, fold_weights, maximize, S)
-    grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
+    if final_fits:
+        grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
+        finite = m["finite"][:, -1]
+    else:
+        grid_metrics = {k: v.mean(1) for k, v in val.items() if k != "finite"}
+        finite = val["finite"].all(1)
     if warn_unconverged and any(unconverged):
         _warn_capped(desc, reports)
     pick = lambda a: a[np.arange(S), chosen]  # [S, G, ...] -> the chosen point's [S, ...]
@@ -198,11 +213,13 @@ def cross_validate(
         chosen=chosen,
         labels=method.labels(),
         cv_score=cv_score,
-        finite=pick(m["finite"][:, -1]),
+        finite=pick(finite),
         edge=edge,
         seconds=time.perf_counter() - t0,
         diagnostics="; ".join(reports),
-        curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in curves[0]},
+        curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in curves[0]}
+        if curves
+        else {},
         rounds=np.asarray(res.metric_rounds),
         params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
     )
