@@ -69,7 +69,8 @@ class Config:
       *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``).
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
-        Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer.
+        Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
+        when ``methods`` holds it.
     """
 
     data_dir: str = str(DATA_DIR / "femnist")
@@ -429,7 +430,8 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
         name(t): base["Karula"]._replace(make=functools.partial(base["Karula"].make, t=float(t)))
         for t in cfg.t_sweep
     }
-    methods["FedPer"] = base["FedPer"]
+    if "FedPer" in cfg.methods:
+        methods["FedPer"] = base["FedPer"]
     data = _study_data(cfg, S, 0)
     test = data.cv.evals
     kw = _member_kwargs(cfg, model, data, seed_keys, params0)
@@ -492,8 +494,8 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
         fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
         m, e = np.array(ys).T
         axes[0].errorbar(x, m, yerr=e, marker="o", capsize=3, label="Karula (± 2 SE)")
-        fp = acc["FedPer"]
-        axes[0].axhline(fp.mean(), color="gray", ls="--", label="FedPer")
+        if "FedPer" in acc:
+            axes[0].axhline(acc["FedPer"].mean(), color="gray", ls="--", label="FedPer")
         axes[1].plot(x, [100 * active[name(t)].mean() for t in cfg.t_sweep], marker="o")
         for ax, ylabel in zip(
             axes, ("mean per-writer test accuracy (%)", "active pairs (%)"), strict=True
