@@ -47,7 +47,7 @@ TS = (0.0, 0.05, 0.5, float("inf"))
 MIDDLE = 2
 SS = (1, N_CLIENTS // 3, N_CLIENTS)
 # multiples 2^(k/2) of the default step; k = 0 is the default itself
-HALF_OCTAVES = np.array([0, 1, 2, 3, 4, 5, 6, 8, 10, 12])
+HALF_OCTAVES = np.array([0, 1, 2, 3, 4, 6, 8])
 
 
 # --------------------------------------------------------------------------- factors
