@@ -312,8 +312,11 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     # ---- table: mean per-writer test accuracy, paired differences with Karula
     test_counts = np.asarray(test.counts, np.float64)
     acc = {m: 100 * o.curves["test_acc"][:, -1] for m, o in outcomes.items()}  # [S, n]
-    leaves = [a.reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(outcomes["IFCA"].params)]
-    ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
+    ifca_used = None
+    if "IFCA" in outcomes:  # clusters in use: distinct client models per seed
+        leaves = jax.tree.leaves(outcomes["IFCA"].params)
+        leaves = [a.reshape(a.shape[:2] + (-1,)) for a in leaves]
+        ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
     rounds = np.asarray(outcomes["Karula"].rounds)
     late = int(np.searchsorted(rounds, 0.8 * cfg.rounds))  # the last fifth of the rounds
     loss_curve = lambda name: outcomes[name].curves["train_loss"]  # [S, T]
