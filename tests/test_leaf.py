@@ -121,6 +121,27 @@ def test_small_leaf_seeded_choice(small_leaf):
     assert a.writers == b.writers
 
 
+def test_a_file_is_parsed_once_and_again_after_it_changes(small_leaf, monkeypatch):
+    root, train, test = small_leaf
+    from karula_jax.data import leaf
+
+    calls = []
+    real = leaf.read_leaf_file
+    monkeypatch.setattr(leaf, "read_leaf_file", lambda path: calls.append(path) or real(path))
+    leaf._read_cached.cache_clear()
+    first = load_leaf(root, num_clients=4, min_samples=1, seed=0)
+    assert len(calls) == 4  # two train and two test shards
+    again = load_leaf(root, num_clients=2, min_samples=1, seed=3)
+    assert len(calls) == 4 and again.train.x.shape[0] == 2
+    # a rewritten shard (new size and time) is read anew, and its new values are used
+    rng = np.random.default_rng(1)
+    train[2]["w_c"] = _writer(rng, [9, 8, 7, 6, 11, 3])
+    _write_leaf(root, train, test)  # rewrites every shard: all four are read again
+    changed = load_leaf(root, num_clients=4, min_samples=1, seed=0)
+    assert len(calls) == 8
+    assert changed.train.counts.tolist() != first.train.counts.tolist()
+
+
 def test_small_leaf_too_few_eligible(small_leaf):
     root, _, _ = small_leaf
     with pytest.raises(ValueError, match="num_clients=5 but only 4 writers"):

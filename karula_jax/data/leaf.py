@@ -17,6 +17,7 @@ Only JSON is read (no pickle) and nothing is cached on disk.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -141,6 +142,20 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
     return out
 
 
+def _read_once(path: pathlib.Path) -> dict[str, tuple[list, np.ndarray]]:
+    """:func:`read_leaf_file`, parsed once per process while the file's size and
+    modification time stay the same (a study draws writers from the same shards once
+    per seed; parsing is most of a load). Callers must not modify the result."""
+    stat = path.stat()
+    return _read_cached(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_cached(path: pathlib.Path, mtime_ns: int, size: int):
+    del mtime_ns, size  # part of the key only
+    return read_leaf_file(path)
+
+
 def _to_pixels(rows: list, where: str, invert: bool) -> np.ndarray:
     try:
         x = np.asarray(rows, dtype=np.float32).reshape(len(rows), IMAGE_SIZE)
@@ -167,7 +182,8 @@ def load_leaf(
     Files: every ``*.json`` in ``data_dir/train`` is a shard; shards are visited in the
     order of the first number in their names (LEAF's shard index), writers in each
     shard's ``users`` order. Each training shard is paired with the test shard of the
-    same name with ``train`` replaced by ``test``, and writers are matched by id.
+    same name with ``train`` replaced by ``test``, and writers are matched by id. A
+    process parses each file once (again after it changes size or modification time).
 
     Selection: a writer is *eligible* when, after the label filter, it has at least
     ``min_samples`` training samples **and at least one test sample** (writers whose
@@ -218,8 +234,8 @@ def load_leaf(
     seen = {}
     for train_file in train_files:
         test_file = _counterpart(train_file, test_dir)
-        train_part = read_leaf_file(train_file)
-        test_part = read_leaf_file(test_file)
+        train_part = _read_once(train_file)
+        test_part = _read_once(test_file)
         for user, (x_rows, y) in train_part.items():
             if user in seen:
                 raise ValueError(f"writer '{user}' appears in both {seen[user]} and {train_file}")
