@@ -37,10 +37,12 @@ def _pad_rows(data: ClientData, rows: int) -> ClientData:
     lead = data.counts.ndim
     if data.x.shape[lead] > rows:
         raise ValueError(f"rows must be >= the data's {data.x.shape[lead]} rows, got {rows}")
-    pad = lambda a: jnp.pad(
-        a, [(0, 0)] * lead + [(0, rows - a.shape[lead])] + [(0, 0)] * (a.ndim - lead - 1)
+    # host-side (numpy): data plumbing, not worth an XLA compilation per shape
+    pad = lambda a: np.pad(
+        np.asarray(a),
+        [(0, 0)] * lead + [(0, rows - a.shape[lead])] + [(0, 0)] * (a.ndim - lead - 1),
     )
-    return ClientData(pad(data.x), pad(data.y), data.counts)
+    return ClientData(pad(data.x), pad(data.y), np.asarray(data.counts))
 
 
 def stack_datasets(items: Sequence[ClientData], *, rows: int | None = None) -> ClientData:
@@ -51,7 +53,7 @@ def stack_datasets(items: Sequence[ClientData], *, rows: int | None = None) -> C
       rows: rows per client after padding (default: the largest of ``items``).
 
     Returns:
-      A :class:`ClientData` with leaves ``[len(items), n, rows, ...]``.
+      A :class:`ClientData` with host (numpy) leaves ``[len(items), n, rows, ...]``.
     """
     if not items:
         raise ValueError("items must hold at least one data set")
@@ -59,7 +61,7 @@ def stack_datasets(items: Sequence[ClientData], *, rows: int | None = None) -> C
     shapes = {(d.x.shape[0], d.x.shape[2:], d.y.shape[2:]) for d in items}
     if len(shapes) != 1:
         raise ValueError(f"items must share clients and feature shapes, got {sorted(shapes)}")
-    return jax.tree.map(lambda *a: jnp.stack(a), *(_pad_rows(d, rows) for d in items))
+    return jax.tree.map(lambda *a: np.stack(a), *(_pad_rows(d, rows) for d in items))
 
 
 class CVData(NamedTuple):
@@ -77,7 +79,10 @@ class CVData(NamedTuple):
 
     def per_member(self, tree: Any) -> Any:
         """Repeats per-seed leaves ``[S, ...]`` for every member ``[S (K + 1), ...]``."""
-        return jax.tree.map(lambda a: jnp.repeat(a, self.num_folds + 1, axis=0), tree)
+        repeat = lambda a: (np if isinstance(a, np.ndarray) else jnp).repeat(
+            a, self.num_folds + 1, axis=0
+        )
+        return jax.tree.map(repeat, tree)
 
 
 def cv_datasets(
@@ -95,7 +100,8 @@ def cv_datasets(
         (neither when ``num_folds`` is 0).
 
     Returns:
-      A :class:`CVData`; validation and test rows are padded to a common row count.
+      A :class:`CVData` (host leaves with folds); validation and test rows are padded to a
+      common row count.
     """
     if num_folds and (key is None) == (folds is None):
         raise ValueError("pass exactly one of key and folds")
@@ -117,7 +123,9 @@ def cv_datasets(
         fit, val = jax.vmap(lambda d, f: ev.kfold_split(d, K, folds=f))(train, jnp.asarray(folds))
     rows = max(int(train.x.shape[2]), int(test.x.shape[2]))
     val, test = _pad_rows(val, rows), _pad_rows(test, rows)
-    join = lambda a, b: jnp.concatenate([a, b[:, None]], 1).reshape((-1,) + a.shape[2:])
+    join = lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)[:, None]], 1).reshape(
+        (-1,) + a.shape[2:]
+    )
     return CVData(jax.tree.map(join, fit, train), jax.tree.map(join, val, test), S, K)
 
 
