@@ -394,6 +394,9 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         "writers": list(writers),
         "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
         "rows": rows,
+        "per_seed": {
+            m: {k: np.asarray(v).tolist() for k, v in c.items()} for m, c in values.items()
+        },
         "total_seconds": time.perf_counter() - t_start,
     }
     protocol.write_study(
