@@ -143,13 +143,8 @@ def cross_validate(
     S, K = data.num_seeds, data.num_folds
     if method.tuned and score is None:
         raise ValueError("score is required for a method with a grid")
-    if not final_fits and not (method.tuned and K):
-        raise ValueError("final_fits=False needs a method with a grid and folds (K >= 1)")
-    # Untuned methods need the final fits only; final_fits=False: the folds only.
-    members = np.arange(S * (K + 1)) if method.tuned else np.arange(S) * (K + 1) + K
-    if not final_fits:
-        members, final_params = members[members % (K + 1) < K], False
-    final = slice(K, None, K + 1) if method.tuned else slice(None)  # among the members
+    members, final = _layout(method.tuned, S, K, final_fits)
+    final_params = final_params and final_fits
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
     chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
@@ -180,10 +175,7 @@ def cross_validate(
                 desc=label,
                 **options,
             )
-        d = res.diagnostics
-        if d["unconverged_rounds"] or d["worst_proj_delta"] > 0:
-            reports.append((f"{point}: " if point else "") + describe_diagnostics(d))
-        unconverged.append(bool(d["unconverged_rounds"]))
+        unconverged.append(_report(res.diagnostics, point, reports))
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
         m["finite"] = np.asarray(res.info.finite).all(axis=0)
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
@@ -194,16 +186,8 @@ def cross_validate(
                 make, method.grid, res.state, take(data.train), batch_kwargs, params_per_seed
             )
             finals.append(jax.tree.map(lambda a: grid_axis(a[final]), client))
-    m = {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
-    m = {k: v.reshape((S, -1) + v.shape[1:]) for k, v in m.items()}  # [S, F, G, ...]
-    val = {k: v[:, :K] for k, v in m.items()}
+    val, grid_metrics, finite = _split_metrics(parts, S, K, final_fits)
     chosen, cv_score, edge = _choose(method, val, score, fold_weights, maximize, S)
-    if final_fits:
-        grid_metrics = {k: v[:, -1] for k, v in m.items() if k != "finite"}
-        finite = m["finite"][:, -1]
-    else:
-        grid_metrics = {k: v.mean(1) for k, v in val.items() if k != "finite"}
-        finite = val["finite"].all(1)
     if warn_unconverged and any(unconverged):
         _warn_capped(desc, reports)
     pick = lambda a: a[np.arange(S), chosen]  # [S, G, ...] -> the chosen point's [S, ...]
@@ -217,12 +201,41 @@ def cross_validate(
         edge=edge,
         seconds=time.perf_counter() - t0,
         diagnostics="; ".join(reports),
-        curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in curves[0]}
-        if curves
-        else {},
+        curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in (curves or [{}])[0]},
         rounds=np.asarray(res.metric_rounds),
         params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
     )
+
+
+def _report(diagnostics: dict, point: str, reports: list[str]) -> bool:
+    """Appends a run's projection report to ``reports`` when it was inexact; returns
+    whether some round stopped at the iteration cap."""
+    if diagnostics["unconverged_rounds"] or diagnostics["worst_proj_delta"] > 0:
+        reports.append((f"{point}: " if point else "") + describe_diagnostics(diagnostics))
+    return bool(diagnostics["unconverged_rounds"])
+
+
+def _layout(tuned: bool, S: int, K: int, final_fits: bool) -> tuple[np.ndarray, slice]:
+    """``(members, final)``: the members to train (untuned methods: the final fits only;
+    without ``final_fits``: the folds only) and where the final fits sit among them."""
+    if not final_fits and not (tuned and K):
+        raise ValueError("final_fits=False needs a method with a grid and folds (K >= 1)")
+    members = np.arange(S * (K + 1)) if tuned else np.arange(S) * (K + 1) + K
+    if not final_fits:
+        members = members[members % (K + 1) < K]
+    return members, slice(K, None, K + 1) if tuned else slice(None)
+
+
+def _split_metrics(parts, S: int, K: int, final_fits: bool):
+    """``(val {name: [S, K, G, ...]}, grid_metrics {name: [S, G, ...]}, finite [S, G])``
+    from the runs' final metrics ``parts`` (``[members, G, ...]`` per static entry): the
+    final fits', or without them the folds' means."""
+    m = {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+    m = {k: v.reshape((S, -1) + v.shape[1:]) for k, v in m.items()}  # [S, F, G, ...]
+    val = {k: v[:, :K] for k, v in m.items()}
+    if final_fits:
+        return val, {k: v[:, -1] for k, v in m.items() if k != "finite"}, m["finite"][:, -1]
+    return val, {k: v.mean(1) for k, v in val.items() if k != "finite"}, val["finite"].all(1)
 
 
 def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
