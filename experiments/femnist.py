@@ -367,7 +367,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     }
     plot_curves = functools.partial(
         reporting.plot_curves,
-        outcomes["Local"].rounds,
+        outcomes["Karula"].rounds,
         curves,
         panels=(("train_loss", "training loss"), ("test_acc", "mean per-writer test accuracy (%)")),
         title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
