@@ -166,6 +166,30 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     return {name: cross(m) for name, m in methods.items()}
 
 
+def _setup(cfg: Config):
+    """``(model, loss, seed_keys [S], params0 [S, ...], personal)``: the MLP, its loss,
+    each seed's key and initial model, and the mask of the output layer."""
+    model = models.mlp(cfg.hidden, 10)
+    loss = models.cross_entropy_loss(model.apply)
+    seed_keys = jax.vmap(jax.random.key)(jnp.arange(cfg.seeds))
+    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
+    personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
+    return model, loss, seed_keys, params0, personal
+
+
+def _active(params, D, t: float, personal) -> np.ndarray:
+    """Fraction of pairs whose constraint at ``t`` binds at the end, per seed ``[S]``, from
+    the client models ``params`` (leaves ``[S, n, ...]``) over the ``personal`` leaves."""
+    D = np.asarray(D)
+    at = lambda s: jax.tree.map(lambda a: a[s], params)
+    return np.array(
+        [
+            ev.active_fraction(ev.pairwise_sq_distances(at(s), personal), D[s], t)
+            for s in range(len(D))
+        ]
+    )
+
+
 def _study_data(cfg: Config, seeds, num_folds: int, fold_keys=None) -> protocol.StudyData:
     """Each seed's writer draw (extras: the writers), its CV layout, D and clusters."""
     kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
@@ -269,11 +293,7 @@ def main(argv=None) -> dict:
 def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     """Tunes the grids, trains every method on every seed; writes tables and figures."""
     sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
-    model = models.mlp(cfg.hidden, 10)
-    loss = models.cross_entropy_loss(model.apply)
-    seed_keys = jax.vmap(jax.random.key)(jnp.arange(S))
-    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
-    personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
+    model, loss, seed_keys, params0, personal = _setup(cfg)
     methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
     fixed, chosen, labels = tune(cfg, model, methods)
 
@@ -373,13 +393,11 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
     )
     # Karula's constraints: the fraction active at the end, per seed
-    sq = lambda p, s: ev.pairwise_sq_distances(jax.tree.map(lambda a: a[s], p), personal)
-    D = np.asarray(data.D)
-    active = [ev.active_fraction(sq(outcomes["Karula"].params, s), D[s], cfg.t) for s in range(S)]
+    active = _active(outcomes["Karula"].params, data.D, cfg.t, personal).tolist()
     trio = reporting.plot_client_triplet(
         jax.tree.map(lambda a: a[0], train),
         [f"writer {w} (client {i})" for i, w in enumerate(writers[0])],
-        D[0],
+        np.asarray(data.D[0]),
         out / f"clients{sfx}.png",
         invert=cfg.invert,
         title=f"Dissimilarities D ({cfg.norm} norm) between three FEMNIST writers (seed 0)",
@@ -427,11 +445,7 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
     ``t = 20`` marked) and ``summary_<tag>.json``.
     """
     sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
-    model = models.mlp(cfg.hidden, 10)
-    loss = models.cross_entropy_loss(model.apply)
-    seed_keys = jax.vmap(jax.random.key)(jnp.arange(S))
-    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
-    personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
+    model, loss, seed_keys, params0, personal = _setup(cfg)
     base = make_methods(cfg, loss, personal, ["Karula", "FedPer"])
     name = lambda t: f"Karula t={t:g}"
     methods = {
@@ -456,14 +470,7 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
         final_params=True,
         describe=lambda o: f"{100 * o.metrics['test_acc'].mean():.1f} %",
     )
-    D = np.asarray(data.D)
-    sq = lambda p, s: ev.pairwise_sq_distances(jax.tree.map(lambda a: a[s], p), personal)
-    active = {
-        name(t): np.array(
-            [ev.active_fraction(sq(outcomes[name(t)].params, s), D[s], t) for s in range(S)]
-        )
-        for t in cfg.t_sweep
-    }
+    active = {name(t): _active(outcomes[name(t)].params, data.D, t, personal) for t in cfg.t_sweep}
     acc = {m: 100 * o.metrics["test_acc"].mean(-1) for m, o in outcomes.items()}  # [S]
     reference = name(max(cfg.t_sweep))
     rows = reporting.comparison_rows(
@@ -498,7 +505,7 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
         finite = [t for t in cfg.t_sweep if 0 < t < np.inf] or [20.0]
         lo, hi = min(finite) / 3, max(finite) * 3
         x = np.array([lo if t == 0 else hi if np.isinf(t) else t for t in cfg.t_sweep])
-        ys = [(acc[name(t)].mean(), 2 * acc[name(t)].std(ddof=1) / np.sqrt(S)) for t in cfg.t_sweep]
+        ys = [mean_and_se(acc[name(t)]) for t in cfg.t_sweep]  # mean, 2 SE
         fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
         m, e = np.array(ys).T
         axes[0].errorbar(x, m, yerr=e, marker="o", capsize=3, label="Karula (± 2 SE)")

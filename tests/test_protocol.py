@@ -1,5 +1,6 @@
 """The comparison protocol: stacked CV data sets, grids, cross-validated selection."""
 
+import functools
 import sys
 import warnings
 
@@ -173,7 +174,8 @@ def test_cross_validate_matches_a_hand_made_selection():
     make = lambda lr: A.local(loss, learning_rate=lr, batch_size=10)
     metrics = lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)}
     keys = jax.random.split(jax.random.key(2), S)
-    out = cross_validate(
+    tuned = functools.partial(
+        cross_validate,
         Method(make, {"lr": rates}),
         jnp.zeros(2),
         cv,
@@ -182,6 +184,7 @@ def test_cross_validate_matches_a_hand_made_selection():
         eval_fn=metrics,
         score=lambda m: m["mse"].mean(-1),
     )
+    out = tuned()
     # by hand: every member at every rate, then the mean validation MSE over folds
     res = run_many(
         make,
@@ -206,17 +209,7 @@ def test_cross_validate_matches_a_hand_made_selection():
     np.testing.assert_allclose(out.metrics["mse"], mse[np.arange(S), K, want], rtol=1e-6)
     assert out.grid_metrics["mse"].shape == (S, 3, 3) and out.finite.all()
     # the folds alone (a tuning draw): the same choice; metrics are the fold means
-    folds_only = cross_validate(
-        Method(make, {"lr": rates}),
-        jnp.zeros(2),
-        cv,
-        keys=keys,
-        num_rounds=rounds,
-        eval_fn=metrics,
-        score=lambda m: m["mse"].mean(-1),
-        final_fits=False,
-        progress=False,
-    )
+    folds_only = tuned(final_fits=False, progress=False)
     np.testing.assert_array_equal(folds_only.chosen, want)
     np.testing.assert_allclose(folds_only.cv_score, out.cv_score, rtol=1e-6)
     np.testing.assert_allclose(folds_only.grid_metrics["mse"], mse[:, :K].mean(1), rtol=1e-6)
