@@ -128,9 +128,7 @@ class SyntheticConfig:
 def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
     """A smoke-test version of ``cfg``: 2 seeds, few rounds and grid points (about 60 s)."""
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
-    small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0))
-    small |= dict(ditto_grid=(0.1, 1.0), fedprox_grid=(0.1, 1.0), penalty_grid=(0.1, 10.0))
-    small |= dict(methods=METHODS + ("Ditto", "Clustered FedAvg on D"), cluster_grid=(1, 3))
+    small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0), methods=METHODS)
     return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, **small)
 
 

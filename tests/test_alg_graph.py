@@ -359,7 +359,8 @@ def test_clustered_fedavg_one_group_is_fedavg_and_n_groups_is_local_training():
                     key, 40)  # fmt: skip
     _, i2, t2 = run(fedavg(LOSS, **kw), zeros(), data, key, 40)
     np.testing.assert_array_equal(i1.participants, i2.participants)
-    np.testing.assert_array_equal(np.asarray(i1.loss), np.asarray(i2.loss))
+    # the same arithmetic in two programs: equal up to XLA's fusion choices
+    np.testing.assert_allclose(np.asarray(i1.loss), np.asarray(i2.loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-6, atol=1e-7)
     # k = n: every participant keeps its own E local steps (fedavg with everything personal)
     _, _, t3 = run(clustered_fedavg(LOSS, np.arange(N_CLIENTS), **kw), zeros(), data, key, 40)

@@ -446,7 +446,7 @@ def test_feasible_input_is_returned_as_is():
     np.testing.assert_allclose(th, ref, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("n, p", [(2, 3), (7, 5), (12, 40)])
+@pytest.mark.parametrize("n, p", [(2, 3), (9, 40)])
 def test_shrink_toward_the_mean_is_certified(n, p):
     """A point just outside (every pair 1e-5 beyond its radius, as after a small move
     from the last round's projection) comes back shrunk toward its mean without a

@@ -28,8 +28,6 @@ PINNED = {
     "IFCA": ((9.24257, 9.25706), (0.879769, 0.859733)),
     "pFedMe": ((4.15207, 3.67302), (0.939606, 0.943274)),
     "Karula": ((12.8705, 17.0897), (0.919935, 0.884492)),
-    "Ditto": ((12.7899, 11.2971), (0.921694, 0.922875)),
-    "Clustered FedAvg on D": ((12.6906, 12.3341), (0.906276, 0.898366)),
     "Karula, true D (diagnostic)": ((7.83867, 11.8217), (0.94795, 0.915333)),
     "Karula, population D (diagnostic)": ((12.2985, 16.5392), (0.922522, 0.888611)),
     "Karula, paper's L1 D (diagnostic)": ((13.3096, 17.4694), (0.91756, 0.882128)),
@@ -38,8 +36,6 @@ PINNED_CHOICES = {
     "IFCA": ["k=1", "k=1"],
     "pFedMe": ["lambda=0.3", "lambda=0.3"],
     "Karula": ["t=3", "t=3"],
-    "Ditto": ["lam=1", "lam=1"],
-    "Clustered FedAvg on D": ["k=1", "k=3"],
     "Karula, true D (diagnostic)": ["t=3", "t=3"],
     "Karula, population D (diagnostic)": ["t=3", "t=3"],
     "Karula, paper's L1 D (diagnostic)": ["t=3", "t=3"],
@@ -105,8 +101,6 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     assert by_method["Karula"]["cv_choice"].startswith("t=")
     assert by_method["IFCA"]["cv_choice"].startswith("k=")
     assert by_method["pFedMe"]["cv_choice"].startswith("lambda=")
-    assert by_method["Ditto"]["cv_choice"].startswith("lam=")
-    assert by_method["Clustered FedAvg on D"]["cv_choice"].startswith("k=")
     md = (tmp_path / "table.md").read_text()
     assert all(m in md for m in sr.METHODS) and "±" in md
     cfg = json.loads((tmp_path / "config.json").read_text())
