@@ -15,7 +15,6 @@ from experiments import femnist
 PINNED = {
     "Local": (4.7951, 2.277381),
     "FedAvg": (24.6914, 2.226037),
-    "IFCA": (20.6450, 2.228001),
     "Karula": (8.4632, 2.273448),
     "Ditto": (15.2115, 2.217147),
 }
@@ -69,7 +68,7 @@ def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     # every seed draws its own writers among the eligible ones
     assert len(summary["writers"]) == 2 and summary["writers"][0] != summary["writers"][1]
     assert all(len(w) == 6 for w in summary["writers"])
-    assert len(summary["ifca_clusters_in_use"]) == 2
+    assert summary["ifca_clusters_in_use"] is None  # IFCA is not among the quick methods
     a, near, far = summary["three_clients"]["indices"]
     assert len({a, near, far}) == 3
 

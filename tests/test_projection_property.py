@@ -163,7 +163,7 @@ def test_every_solver_matches_cvxpy_float64(draw):
         )
 
 
-@settings(max_examples=15 if EXPLORE else 3, **SETTINGS)
+@settings(max_examples=15 if EXPLORE else 2, **SETTINGS)
 @given(sizes)
 def test_every_solver_matches_cvxpy_float32(draw):
     n, where, seed, kind = draw
