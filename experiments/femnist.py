@@ -142,6 +142,7 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     steps = dict(local=pick("local"), fedavg=pick("fedavg"), ifca=pick("fedavg"))
     steps |= dict(karula=pick("karula"), penalty=pick("karula"), ditto_personal=pick("fedavg"))
     steps["penalty_mu"] = lambda mu, **kw: mu / steps["karula"](**kw)
+    steps["fedprox"] = functools.partial(_fedprox_step, steps["fedavg"], cfg)
     if cfg.rates == "default" and not cfg.t_sweep:  # Karula's rule, coupled to its t and D
         steps["karula"] = lambda **_: None
     grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t, "FedProx": cfg.fedprox_grid}
@@ -164,6 +165,19 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
         m, "rate", rate_choices(cfg), ordered=len(cfg.rate_multiples)
     )
     return {name: cross(m) for name, m in methods.items()}
+
+
+def _fedprox_step(fedavg_step, cfg: Config, mu, **kw):
+    """FedProx's step: FedAvg's, except that its own default (``rates="default"``, or the
+    default choice of ``rates="cv"``) is ``1 / (max_i L_i + mu)``, which adds the proximal
+    curvature to FedAvg's ``1 / max_i L_i``."""
+    step = fedavg_step(**kw)
+    own = step / (1 + mu * step)
+    if cfg.rates == "default":
+        return own
+    if cfg.rates == "cv":  # the default is the last choice
+        return jnp.where(kw["rate"] == len(cfg.rate_multiples), own, step)
+    return step
 
 
 def _setup(cfg: Config):

@@ -36,6 +36,24 @@ def test_library_rates_reproduce_the_papers_per_client_steps():
     assert all(np.allclose(doubled[m], 2 * rates[m]) for m in rates)
 
 
+def test_fedprox_own_default_step_adds_mu_to_the_smoothness():
+    # FedProx's local objective f_i + mu/2 ||w - w0||^2 is (L_i + mu)-smooth: its own default
+    # is 1 / (max L_i + mu), not FedAvg's 1 / max L_i (which diverges once step * mu > 2).
+    own = 0.5  # FedAvg's default 1 / max L_i: max L_i = 2
+    for mu in (0.0, 10.0):
+        cfg = femnist.Config(rates="default")
+        got = femnist._fedprox_step(lambda **_: own, cfg, mu)
+        np.testing.assert_allclose(got, 1 / (2.0 + mu), rtol=1e-12)
+        cv = femnist.Config(rates="cv", rate_multiples=(1.0, 10.0))
+        steps = np.array([0.01, 0.1, own])  # the paper's x1, x10, then the default
+        pick = lambda rates, rate, **_: rates[rate]
+        for rate, want in ((0, 0.01), (1, 0.1), (2, 1 / (2.0 + mu))):
+            got = femnist._fedprox_step(pick, cv, mu, rates=steps, rate=rate)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        paper = femnist._fedprox_step(pick, femnist.Config(), mu, rates=steps, rate=1)
+        assert paper == 0.1  # the paper's rates are fixed numbers
+
+
 def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     summary = femnist.main(
         ["--quick", "--out", str(tmp_path), "--data-dir", str(shared_data_dir / "femnist")]

@@ -251,6 +251,7 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
     rates = {k: (lambda L, i=i, **_: 0.05 * (i + 1) / L) for i, k in enumerate(names)}
     rates |= {"pfedme": lambda lam, **_: 0.1 / lam, "pfedme_personal": lambda L, **_: 0.2 / L}
     rates["penalty_mu"] = lambda L, mu, **_: mu * L
+    rates["fedprox"] = lambda L, mu, **_: 0.7 / (L + mu)  # its own rule: mu's curvature
     grids = {"IFCA": (1, 2), "pFedMe": 15.0, "Karula": (0.5, 2.0), "FedProx": (0.1,)}
     grids |= {"Ditto": (1.0,), "Laplacian penalty on D": (3.0,), "Clustered FedAvg on D": (2, 3)}
     local = dict(clients_per_round=3, batch_size=9, local_steps=2)
@@ -258,7 +259,7 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
     assert list(suite) == list(SUITE) == list(REGISTRY)[: len(SUITE)]
     common = dict(clients_per_round=3, batch_size=9)
     local = dict(common, local_steps=2)
-    r = {k: f(**member) for k, f in rates.items() if k not in ("pfedme", "penalty_mu")}
+    r = {k: f(**member) for k, f in rates.items() if k not in ("pfedme", "penalty_mu", "fedprox")}
     want = {
         "Local": A.local(loss, learning_rate=r["local"], **common),
         "FedSGD": A.fedsgd(loss, learning_rate=r["fedsgd"], **common),
@@ -273,7 +274,7 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
             **local,
         ),
         "Karula": A.karula(loss, D, t=2.0, learning_rate=r["karula"], **common),
-        "FedProx": A.fedprox(loss, mu=0.1, learning_rate=r["fedavg"], **local),
+        "FedProx": A.fedprox(loss, mu=0.1, learning_rate=0.7 / (2.0 + 0.1), **local),
         "SCAFFOLD": A.scaffold(loss, learning_rate=r["fedavg"], **local),
         "Ditto": A.ditto(
             loss,

@@ -335,7 +335,13 @@ _ROWS = (
         members=_D,
         settings=_COMMON,
     ),
-    MethodRow("FedProx", A.fedprox, hyper="mu", grid=(0.01, 0.1, 1.0, 10.0)),
+    MethodRow(
+        "FedProx",
+        A.fedprox,
+        hyper="mu",
+        grid=(0.01, 0.1, 1.0, 10.0),
+        rates={"learning_rate": "fedprox"},
+    ),
     MethodRow("SCAFFOLD", A.scaffold),
     MethodRow(
         "Ditto",

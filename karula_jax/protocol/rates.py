@@ -39,6 +39,9 @@ def smoothness_rates(
 
     ``local``, ``karula`` and ``penalty`` (the Laplacian penalty's step): ``karula / L_f``;
     ``fedsgd``: ``karula / (n L_f)``; ``fedavg`` (the FedAvg family): ``fedavg / L_max``;
+    ``fedprox``: ``fedavg / (L_max + mu)``, FedAvg's rule on the local objective
+    ``f_i + mu/2 ||w - w0||^2``, whose smoothness is ``L_i + mu`` (a step that ignores
+    ``mu`` diverges once ``step * mu > 2``);
     ``ifca``: ``ifca / L_max``; ``pfedme``: ``personal / L_env`` with
     ``L_env = lam L_max / (lam + L_max)`` (its Moreau envelope's smoothness) and
     ``pfedme_personal``: ``1 / (L_max + lam)``; ``ditto_personal``: ``personal / L_max``;
@@ -55,6 +58,7 @@ def smoothness_rates(
         "local": lambda L_f, **_: karula / L_f,
         "fedsgd": lambda L_f, **_: karula / (num_clients * L_f),
         "fedavg": lambda L_max, **_: fedavg / L_max,
+        "fedprox": lambda L_max, mu, **_: fedavg / (L_max + mu),
         "ifca": lambda L_max, **_: ifca / L_max,
         "pfedme": lambda L_max, lam, **_: personal / (lam * L_max / (lam + L_max)),
         "pfedme_personal": lambda L_max, lam, **_: 1 / (L_max + lam),
@@ -79,7 +83,9 @@ def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int
     * ``local``: ``n / max_i a_i``, half the limit of the steps ``eta a_i / n`` of
       :func:`karula_jax.algorithms.local` (as Karula's rule with ``s = n``);
     * ``fedavg``: ``1 / max_i L_i``, half the gradient-descent limit on the worst client's
-      mean loss, for the FedAvg family's local steps.
+      mean loss, for the FedAvg family's local steps. FedProx's own default at ``mu`` is
+      ``1 / (max_i L_i + mu) = fedavg / (1 + mu * fedavg)`` (its local objective adds
+      ``mu``'s curvature; :func:`smoothness_rates`' rule ``fedprox``).
 
     Returns:
       ``{"karula", "local", "fedavg": float}``.
