@@ -134,6 +134,51 @@ def test_run_many_members_with_own_kwargs_params_and_data_then_resume(tmp_path):
         np.testing.assert_array_equal(full.metrics[name], resumed.metrics[name])
 
 
+def test_a_second_batch_of_one_factory_and_grid_compiles_no_chunk():
+    """run_many keeps the batched algorithm of a factory (by identity) and grid (by value):
+    a second batch on other data and member arguments (a study's second D) reuses the
+    compiled chunk, and its results are its own arguments' (nothing is baked in)."""
+    compiled = []
+
+    def listen(event, secs, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(secs)
+
+    make = lambda eta, t: toy(eta=eta, t=t)
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    kw = dict(keys=keys, hyper={"t": jnp.array([0.0, 0.5])}, data_per_seed=True)
+    kw |= dict(num_rounds=4, chunk_size=4, progress=False)
+    first, second = stack([make_data(0), make_data(1)]), stack([make_data(2), make_data(3)])
+    training.run_many(make, PARAMS, first, batch_kwargs={"eta": jnp.array([0.3, 0.2])}, **kw)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        again = training.run_many(
+            make, PARAMS, second, batch_kwargs={"eta": jnp.array([0.1, 0.25])}, **kw
+        )
+        reused = len(compiled)
+        fresh = training.run_many(  # a new factory object: compiled afresh
+            lambda eta, t: toy(eta=eta, t=t),
+            PARAMS,
+            second,
+            batch_kwargs={"eta": jnp.array([0.1, 0.25])},
+            **kw,
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert reused <= 1 < len(compiled)  # no chunk: only the factory checks program
+    leaves_equal(again.state, fresh.state)
+    leaves_equal(again.info, fresh.info)
+    other_grid = training.run_many(
+        make,
+        PARAMS,
+        second,
+        batch_kwargs={"eta": jnp.array([0.1, 0.25])},
+        **{**kw, "hyper": {"t": jnp.array([0.0, 0.4])}},
+    )
+    np.testing.assert_array_equal(other_grid.state.params["a"][:, 0], fresh.state.params["a"][:, 0])
+    assert not np.array_equal(other_grid.state.params["a"][:, 1], fresh.state.params["a"][:, 1])
+
+
 def test_run_many_rejects_bad_batch_arguments():
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     kw = dict(keys=keys, num_rounds=1, progress=False)

@@ -154,7 +154,9 @@ def cross_validate(
     grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
     t0, parts, curves, finals, reports, unconverged = time.perf_counter(), [], [], [], [], []
     for static in method.static_grid or [{}]:
-        make = functools.partial(method.make, **static)
+        # the factory itself when there is no static point: the same object in every
+        # call, so that run_many reuses its compiled programs (e.g. on another D)
+        make = functools.partial(method.make, **static) if static else method.make
         point = ", ".join(f"{k}={v}" for k, v in static.items())
         label = " ".join(x for x in (desc, point) if x) or None
         with warnings.catch_warnings():  # collected here, reported once below

@@ -26,6 +26,7 @@ grids.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -409,7 +410,36 @@ def _batched_algorithm(
     kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
     name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
     per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
-    return _members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+    return _kept_members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+
+
+# The batched algorithms of recent (factory, grid) pairs. The compiled chunks are cached
+# per algorithm object (karula_jax.training.loop), so returning the same object for the
+# same factory (by identity) and grid values lets a second batch of one method, e.g. on
+# other data or another member argument such as a dissimilarity matrix (both arguments
+# of the program, not constants), reuse the compiled programs.
+_KEPT: collections.OrderedDict = collections.OrderedDict()
+_KEPT_SIZE = 32
+
+
+def _kept_members(make_algorithm, hyper, grid, *, data_per_seed, params_per_seed) -> Algorithm:
+    """:func:`_members`, the same object again for an equal factory and grid."""
+    flags = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
+    try:
+        values = tuple(
+            (k, np.dtype(v.dtype).str, np.shape(v), np.asarray(v).tobytes())
+            for k, v in sorted(hyper.items())
+        )
+        key = (make_algorithm, grid, data_per_seed, params_per_seed, values)
+        hash(key)
+    except (TypeError, jax.errors.ConcretizationTypeError):  # unhashable or traced
+        return _members(make_algorithm, hyper, grid, **flags)
+    if key not in _KEPT:
+        _KEPT[key] = _members(make_algorithm, hyper, grid, **flags)
+        while len(_KEPT) > _KEPT_SIZE:
+            _KEPT.popitem(last=False)
+    _KEPT.move_to_end(key)
+    return _KEPT[key]
 
 
 def run_many(
