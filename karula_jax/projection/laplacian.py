@@ -26,6 +26,8 @@ _CG_MAX_ITER_LARGE = 5
 _GRAM_ABOVE = 96
 # See ``direction``: the share of the largest violation at which a pair at 0 enters.
 _ENTER = 0.25
+# Step halvings of a line search along one direction.
+_HALVINGS = 31
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
@@ -53,9 +55,13 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         rel = 2.0 * ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
         return jnp.max(jnp.where(mask, jnp.where(lam > 0, jnp.abs(rel), rel), 0.0))
 
-    def line_search(lam, ev, s, running, evaluate):
-        def trial(alpha):
-            new = jnp.maximum(lam + alpha * s, 0.0)
+    def line_search(lam, ev, s, s_diag, running, evaluate):
+        """Armijo search along the projected path of the Newton step ``s`` (31 halvings
+        from 1), then, where all of them fail, along the diagonally scaled gradient step
+        ``s_diag`` (31 more): one loop, so that the trial is compiled once."""
+
+        def trial(alpha, step):
+            new = jnp.maximum(lam + alpha * step, 0.0)
             ev_new = evaluate(new)
             gain = _pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
@@ -66,17 +72,19 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             return new, ev_new, ok
 
         def cond(c):
-            return (~c[3]) & (c[4] < 31) & running
+            return (~c[3]) & (c[4] < 2 * _HALVINGS) & running
 
         def body(c):
-            alpha = 0.5 * c[0]
-            new, ev_new, ok = trial(alpha)
-            return alpha, new, ev_new, ok, c[4] + 1
+            count = c[4]
+            alpha = jnp.where(count == _HALVINGS, 1.0, 0.5 * c[0])  # the fallback restarts
+            new, ev_new, ok = trial(alpha, jnp.where(count < _HALVINGS, s, s_diag))
+            return alpha, new, ev_new, ok, count + 1
 
         # The first trial (alpha = 1) runs inside the loop too, so that a member that is
         # not ``running`` evaluates nothing (under vmap a call outside the loop would run
         # for every member, also where its result is dropped).
-        out = jax.lax.while_loop(cond, body, (2.0, lam, ev, jnp.array(False), 0))
+        init = (jnp.asarray(2.0, lam.dtype), lam, ev, jnp.array(False), 0)
+        out = jax.lax.while_loop(cond, body, init)
         return out[1], out[2], out[3]
 
     def ascend(lam, ev, it, stopped, evaluate):
@@ -92,13 +100,8 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             # dropped); ``running`` keeps them from holding the inner loops open.
             running = ~done
             s, s_diag = _direction(red, mask, lam, ev, running, cg_iter)
-            new, ev_new, ok = line_search(lam, ev, s, running, evaluate)
-            # Fallback when clipping spoilt the Newton step: diagonally scaled gradient.
-            new, ev_new, ok = jax.lax.cond(
-                ok,
-                lambda: (new, ev_new, ok),
-                lambda: line_search(lam, ev, s_diag, running & ~ok, evaluate),
-            )
+            # (s_diag is the fallback where clipping spoilt the Newton step)
+            new, ev_new, ok = line_search(lam, ev, s, s_diag, running, evaluate)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
             _, delta = restore_and_certify(ev.th, ev.g, red, gram=gram)
@@ -110,15 +113,24 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
         return lam, ev, it
 
-    # Phase 1: distances inside the evaluations from the Gram matrix (one product).
+    # Phase 0: distances inside the evaluations from the Gram matrix (one product).
+    # Phase 1: certified evaluations with exact distances (below ``_GRAM_ABOVE`` clients)
+    # from where phase 0 stopped. Its first evaluation is the final certificate; it
+    # iterates only where that certificate misses ``tol`` after phase 0's cheaper values
+    # met it (rare, float32 near ``tol``), so under vmap it usually takes no trip. The
+    # two phases are two trips of one loop (its index is the same for every member under
+    # vmap, so the choice of evaluation stays a branch), which compiles the Newton
+    # iteration once.
     fast = functools.partial(dual_eval, red=red, gram=True)
-    lam, ev, it = ascend(lam0, fast(lam0), jnp.int32(0), skip, fast)
-    # Phase 2: certified evaluations with exact distances (below ``_GRAM_ABOVE`` clients)
-    # from where phase 1 stopped. Its first evaluation is the final certificate; it
-    # iterates only where that certificate misses ``tol`` after phase 1's cheaper values
-    # met it (rare, float32 near ``tol``), so under vmap it usually takes no trip.
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
-    lam, ev, it = ascend(lam, exact(lam), it, skip, exact)
+
+    def phase(i, carry):
+        lam, ev, it = carry
+        evaluate = lambda x: jax.lax.cond(i == 0, fast, exact, x)  # noqa: E731
+        ev = jax.lax.cond(i == 0, lambda: ev, lambda: exact(lam))
+        return ascend(lam, ev, it, skip, evaluate)
+
+    lam, ev, it = jax.lax.fori_loop(0, 2, phase, (lam0, fast(lam0), jnp.int32(0)))
     th, delta = restore_and_certify(ev.th, ev.g, red)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
