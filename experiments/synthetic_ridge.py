@@ -51,10 +51,11 @@ class SyntheticConfig:
     ``--generator NAME=VALUE`` (a keyword of :func:`karula_jax.data.synthetic_ridge`).
 
     Expected (10 seeds, estimation error / test R^2, mean over seeds): Local 22.6 / 0.800,
-    FedSGD 9.2 / 0.876, FedAvg 9.2 / 0.876, IFCA 3.9 / 0.966 (k = 3..8), pFedMe 3.4 / 0.952,
+    FedSGD 9.2 / 0.876, FedAvg 9.2 / 0.876, IFCA 4.5 / 0.959 (k = 3..12), pFedMe 3.4 / 0.952,
     Karula 5.8 / 0.925 (t = 4..16), FedProx 9.2, SCAFFOLD 9.2, Ditto 2.4 / 0.966, Laplacian
-    penalty on D 7.3, clustered FedAvg on D 2.9 / 0.969, Karula at the theorem's step 25.9 /
-    0.826. Runtime: 526 s wall on a 2-core machine (``--diagnostics`` adds three Karula runs).
+    penalty on D 7.3, clustered FedAvg on D 2.9 / 0.969, Karula at the theorem's step 23.5 /
+    0.845 (t = 0). Runtime: about 10 minutes on a 2-core machine (``--diagnostics`` adds
+    three Karula runs).
 
     Attributes:
       seeds: seeds 0..seeds-1 (data draw and training randomness).
