@@ -124,7 +124,7 @@ class SyntheticConfig:
         too_many = self.clients_per_round > self.num_clients
         bad += ["clients_per_round exceeds num_clients"] * too_many
         for k in [f.name for f in dataclasses.fields(self) if f.name.endswith("_grid")]:
-            v, t = getattr(self, k), k.endswith("t_grid")  # t = 0 is Karula's natural limit
+            v, t = getattr(self, k), k in ("t_grid", "theorem_t_grid")  # t = 0: a natural limit
             low = "nonnegative" if t else "positive"
             bad += [f"{k} must be a non-empty tuple of {low} values"] * (
                 not v or min(v) < 0 or (min(v) == 0 and not t)

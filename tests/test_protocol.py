@@ -318,6 +318,14 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
         build_methods(("Ditto",), loss=loss, rates={"fedavg": rates["fedavg"]}, **local)
 
 
+def test_fedprox_rule_adds_mu_to_the_smoothness():
+    # FedProx's local objective f_i + mu/2 ||w - w0||^2 is (L_i + mu)-smooth
+    rates = smoothness_rates(karula=0.5, fedavg=0.1, ifca=0.5, personal=0.5, num_clients=3)
+    assert rates["fedprox"](L_max=2.0, mu=3.0, L_f=1.0) == pytest.approx(0.1 / 5.0)
+    assert rates["fedprox"](L_max=2.0, mu=0.0) == pytest.approx(rates["fedavg"](L_max=2.0))
+    assert REGISTRY["FedProx"].rates == {"learning_rate": "fedprox"}
+
+
 def test_variant_rows_fedper_and_karula_at_the_theorem_step():
     """FedPer is FedAvg on the study's mask (and refuses to run without one, where it would
     be FedAvg); "Karula (theorem step)" is Karula at ``learning_rate="theorem"``."""

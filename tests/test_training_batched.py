@@ -135,9 +135,11 @@ def test_run_many_members_with_own_kwargs_params_and_data_then_resume(tmp_path):
 
 
 def test_a_second_batch_of_one_factory_and_grid_compiles_no_chunk():
-    """run_many keeps the batched algorithm of a factory (by identity) and grid (by value):
-    a second batch on other data and member arguments (a study's second D) reuses the
-    compiled chunk, and its results are its own arguments' (nothing is baked in)."""
+    """With reuse_compiled, run_many keeps the batched algorithm of a factory (by identity)
+    and grid (by value): a second batch on other data and member arguments (a study's
+    second D) reuses the compiled chunk, and its results are its own arguments' (nothing
+    is baked in). Without it, a factory is traced afresh: one that reads a changed value
+    runs the new one."""
     compiled = []
 
     def listen(event, secs, **_):
@@ -147,7 +149,7 @@ def test_a_second_batch_of_one_factory_and_grid_compiles_no_chunk():
     make = lambda eta, t: toy(eta=eta, t=t)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
     kw = dict(keys=keys, hyper={"t": jnp.array([0.0, 0.5])}, data_per_seed=True)
-    kw |= dict(num_rounds=4, chunk_size=4, progress=False)
+    kw |= dict(num_rounds=4, chunk_size=4, progress=False, reuse_compiled=True)
     first, second = stack([make_data(0), make_data(1)]), stack([make_data(2), make_data(3)])
     training.run_many(make, PARAMS, first, batch_kwargs={"eta": jnp.array([0.3, 0.2])}, **kw)
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -177,6 +179,19 @@ def test_a_second_batch_of_one_factory_and_grid_compiles_no_chunk():
     )
     np.testing.assert_array_equal(other_grid.state.params["a"][:, 0], fresh.state.params["a"][:, 0])
     assert not np.array_equal(other_grid.state.params["a"][:, 1], fresh.state.params["a"][:, 1])
+
+    # the default traces the factory afresh: it sees a value changed between calls
+    scale = {"eta": 1.0}
+    impure = lambda eta, t: toy(eta=eta * scale["eta"], t=t)
+    kw["reuse_compiled"] = False
+    args = (PARAMS, second)
+    before = training.run_many(impure, *args, batch_kwargs={"eta": jnp.array([0.1, 0.2])}, **kw)
+    scale["eta"] = 0.5
+    after = training.run_many(impure, *args, batch_kwargs={"eta": jnp.array([0.1, 0.2])}, **kw)
+    pure = lambda eta, t: toy(eta=eta, t=t)
+    want = training.run_many(pure, *args, batch_kwargs={"eta": jnp.array([0.05, 0.1])}, **kw)
+    assert not np.array_equal(before.state.params["a"], after.state.params["a"])
+    leaves_equal(after.state, want.state)
 
 
 def test_run_many_rejects_bad_batch_arguments():

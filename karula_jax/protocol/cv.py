@@ -86,6 +86,19 @@ class CVOutcome(NamedTuple):
         ]
 
 
+def _run_options(num_rounds: int) -> dict[str, Any]:
+    """The defaults :func:`cross_validate` gives :func:`~karula_jax.training.run_many`:
+    ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of ``num_rounds`` (the
+    bar advances after every chunk; results do not depend on the chunk size),
+    ``eval_every_chunk=False`` (True: curves), ``on_nonfinite="record"`` and
+    ``reuse_compiled=True``."""
+    chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
+    options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
+    # A registry method's factory reads only its arguments and the rates fixed when it was
+    # built: a second cross-validation of it (another D, other data) reuses its programs.
+    return options | dict(progress=True, reuse_compiled=True)
+
+
 def cross_validate(
     method: Method,
     params: Any,
@@ -132,10 +145,9 @@ def cross_validate(
         tuning draw whose final fits nobody reads) trains the folds alone, a ``1 / (K +
         1)`` saving: ``metrics`` and ``grid_metrics`` then hold the validation metrics
         averaged over the folds, ``curves`` is empty and ``params`` None.
-      **run_kwargs: further options of :func:`karula_jax.training.run_many`. Defaults
-        here: ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of
-        ``num_rounds`` (the bar advances after every chunk; results do not depend on the
-        chunk size), ``eval_every_chunk=False`` (True: curves), ``on_nonfinite="record"``.
+      **run_kwargs: further options of :func:`karula_jax.training.run_many`; defaults
+        here: :func:`_run_options` (``reuse_compiled=True``: ``method.make`` and
+        ``eval_fn`` must be pure, as the registry's factories are).
 
     Returns:
       A :class:`CVOutcome`.
@@ -147,15 +159,13 @@ def cross_validate(
     final_params = final_params and final_fits
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
-    chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
-    options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
-    options |= dict(progress=True) | run_kwargs
+    options = _run_options(num_rounds) | run_kwargs
     batch_kwargs = take(member_kwargs) if member_kwargs else None
     grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
     t0, parts, curves, finals, reports, unconverged = time.perf_counter(), [], [], [], [], []
     for static in method.static_grid or [{}]:
         # the factory itself when there is no static point: the same object in every
-        # call, so that run_many reuses its compiled programs (e.g. on another D)
+        # call, so that run_many can reuse its compiled programs
         make = functools.partial(method.make, **static) if static else method.make
         point = ", ".join(f"{k}={v}" for k, v in static.items())
         label = " ".join(x for x in (desc, point) if x) or None

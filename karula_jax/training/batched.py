@@ -328,7 +328,7 @@ def _check_members(what: str, tree: Any, num_members: int, *, asked: bool = True
 
 
 def _placement(
-    mesh: Mesh,
+    mesh: Mesh | None,
     shard: str,
     *,
     num_members: int,
@@ -336,8 +336,10 @@ def _placement(
     data: Any,
     data_per_seed: bool,
     eval_data_per_seed: bool,
-) -> Placement:
-    """Split the batch axis or every run's client axis over ``mesh``."""
+) -> Placement | None:
+    """Split the batch axis or every run's client axis over ``mesh`` (None: no mesh)."""
+    if mesh is None:
+        return None
     if shard == "batch":
         check_divisible("the batch axis [S]", num_members, mesh)
         axis = lambda per_member: 0 if per_member else None
@@ -389,6 +391,22 @@ def _batched_eval(eval_fn: EvalFn, grid: int | None, eval_data_per_seed: bool) -
     return jax.vmap(per_grid, in_axes=(0, e_axis))
 
 
+_kept_eval = functools.lru_cache(maxsize=32)(_batched_eval)  # reuse_compiled
+
+
+def _evaluation(eval_fn, eval_data, eval_per_seed, data, data_per_seed, num_members, grid, reuse):
+    """(batched ``eval_fn`` or None, the evaluation data, whether it has a member axis):
+    ``data`` itself when ``eval_data`` is None."""
+    if eval_fn is None:
+        return None, eval_data, eval_per_seed
+    if eval_data is None:
+        eval_data, eval_per_seed = data, data_per_seed
+    elif eval_per_seed:
+        _check_members("eval_data_per_seed", eval_data, num_members)
+    batched = (_kept_eval if reuse else _batched_eval)(eval_fn, grid, eval_per_seed)
+    return batched, eval_data, eval_per_seed
+
+
 def _fingerprints(data, batch_kwargs) -> dict[str, Any]:
     """Checkpoint fingerprints of the batch's data and factory arguments."""
     return {
@@ -398,7 +416,7 @@ def _fingerprints(data, batch_kwargs) -> dict[str, Any]:
 
 
 def _batched_algorithm(
-    make_algorithm, hyper, batch_kwargs, num_members, data_per_seed, params_per_seed
+    make_algorithm, hyper, batch_kwargs, num_members, *, reuse, data_per_seed, params_per_seed
 ):
     """The batch as one algorithm, after the factory's checks on every member and grid point.
 
@@ -410,14 +428,15 @@ def _batched_algorithm(
     kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
     name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
     per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
-    return _kept_members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+    members = _kept_members if reuse else _members
+    return members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
 
 
-# The batched algorithms of recent (factory, grid) pairs. The compiled chunks are cached
-# per algorithm object (karula_jax.training.loop), so returning the same object for the
-# same factory (by identity) and grid values lets a second batch of one method, e.g. on
-# other data or another member argument such as a dissimilarity matrix (both arguments
-# of the program, not constants), reuse the compiled programs.
+# ``reuse_compiled``: the batched algorithms of recent (factory, grid) pairs. The compiled
+# chunks are cached per algorithm object (karula_jax.training.loop), so returning the same
+# object for the same factory (by identity) and grid values lets a second batch of one
+# method, e.g. on other data or another member argument such as a dissimilarity matrix
+# (both arguments of the program, not constants), reuse the compiled programs.
 _KEPT: collections.OrderedDict = collections.OrderedDict()
 _KEPT_SIZE = 32
 
@@ -459,6 +478,7 @@ def run_many(
     mesh: Mesh | None = None,
     shard: str = "batch",
     desc: str | None = None,
+    reuse_compiled: bool = False,
     **run_kwargs,
 ) -> RunResult:
     """Batch members x a hyperparameter grid as one compiled program per chunk.
@@ -473,14 +493,11 @@ def run_many(
     its progress bar, metrics, checkpoints and bit-identical resume. Results equal the
     separate runs up to float rounding of batched kernels.
 
-    **Batch layout.** The caller flattens everything that differs between runs as data
-    into the leading *member* axis ``[S]``: e.g. CV folds x seeds is ``S = folds * seeds``
-    members, each with its own key, and its own data, initial model and factory
-    arguments where ``data_per_seed``/``params_per_seed``/``batch_kwargs`` say so. The
-    grid ``hyper`` (``[G]`` values per name) is crossed on every member, each grid point
-    with the member's key (shapes of the results: Returns).
-
-    A worked example and the memory a batch needs (``S * G`` runs'): ``docs/batched_runs.md``.
+    **Batch layout.** Whatever differs between runs as data is the leading *member* axis
+    ``[S]`` (e.g. CV folds x seeds), each member with its own key and, where the flags
+    say so, data, initial model and factory arguments; the grid ``hyper`` (``[G]``
+    values) is crossed on every member with the member's key. A worked example and the
+    memory a batch needs (``S * G`` runs'): ``docs/batched_runs.md``.
 
     Args:
       make_algorithm: ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``,
@@ -504,15 +521,15 @@ def run_many(
       eval_fn: per-run ``eval_fn(client_params, eval_data) -> dict``; it is vmapped, so
         metric arrays come back as ``[num_evals, S, G, ...]``.
       eval_data: per-run evaluation data (default ``data``).
-      eval_data_per_seed: ``eval_data`` has a leading member axis. Ignored when
-        ``eval_data`` is None (then it follows ``data_per_seed``).
+      eval_data_per_seed: ``eval_data`` has a member axis (None ``eval_data``: as ``data``).
       mesh: a 1-D device mesh (:func:`client_mesh`) to spread the batch over.
-      shard: with ``mesh``, which axis is split over its devices: ``"batch"`` the member
-        axis ``[S]`` (independent runs, no communication; ``S`` must be a multiple of
-        the mesh size) or ``"clients"`` the client axis of every run (the leaf axis
-        after the batch axes; the number of clients must be a multiple of the mesh
-        size; cross-client steps communicate). Other leaves are replicated.
+      shard: with ``mesh``, the axis split over its devices (a multiple of the mesh
+        size): ``"batch"`` the member axis ``[S]`` (independent runs, no communication)
+        or ``"clients"`` every run's client axis (cross-client steps communicate).
       desc: a label in front of the progress bar's batch size (``"Karula: 6x5 runs"``).
+      reuse_compiled: reuse the programs of an earlier call with the same
+        ``make_algorithm`` and ``eval_fn`` objects and ``hyper`` values. Only for pure
+        functions: one reading a value changed since would run its old program.
       **run_kwargs: options of :func:`run`: ``chunk_size``, ``eval_every_chunk``,
         ``checkpoint_dir``, ``resume``, ``on_nonfinite``, ``progress``.
 
@@ -532,20 +549,22 @@ def run_many(
     keys, num_members = _check_keys(keys)
     _check_members("data_per_seed", data, num_members, asked=data_per_seed)
     _check_members("params_per_seed", params, num_members, asked=params_per_seed)
+    per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
     algorithm, name, kw, grid = _batched_algorithm(
-        make_algorithm, hyper, batch_kwargs, num_members, data_per_seed, params_per_seed
+        make_algorithm, hyper, batch_kwargs, num_members, reuse=reuse_compiled, **per_seed
     )
-    if eval_fn is not None and eval_data is None:
-        eval_data, eval_data_per_seed = data, data_per_seed
-    elif eval_fn is not None and eval_data_per_seed:
-        _check_members("eval_data_per_seed", eval_data, num_members)
-    batched_eval = None if eval_fn is None else _batched_eval(eval_fn, grid, eval_data_per_seed)
-    placement = None
-    if mesh is not None:
-        per_seed = {"data_per_seed": data_per_seed, "eval_data_per_seed": eval_data_per_seed}
-        placement = _placement(
-            mesh, shard, num_members=num_members, grid=grid, data=data, **per_seed
-        )
+    batched_eval, eval_data, eval_per_seed = _evaluation(
+        eval_fn,
+        eval_data,
+        eval_data_per_seed,
+        data,
+        data_per_seed,
+        num_members,
+        grid,
+        reuse_compiled,
+    )
+    where = dict(num_members=num_members, grid=grid, data=data, data_per_seed=data_per_seed)
+    placement = _placement(mesh, shard, **where, eval_data_per_seed=eval_per_seed)
     out = run_chunks(
         algorithm,
         params,
