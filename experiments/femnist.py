@@ -106,9 +106,9 @@ class Config:
 
 
 def quick_config(cfg: Config) -> Config:
-    """A tiny version of ``cfg`` for tests: 6 writers, 10 rounds, 2 seeds, four methods."""
+    """A tiny version of ``cfg`` for tests: 6 writers, 10 rounds, 2 seeds, three methods."""
     small = dict(num_clients=6, clients_per_round=3, rounds=10, eval_every=5, seeds=2)
-    small |= dict(methods=("Local", "FedAvg", "Karula", "Ditto"))
+    small |= dict(methods=("FedAvg", "Karula", "Ditto"))
     grids = dict(fedprox_grid=(0.1,), ditto_grid=(0.01, 1.0), penalty_grid=(0.1,))
     return dataclasses.replace(cfg, num_reference=10, cluster_grid=(2,), **small, **grids)
 

@@ -14,7 +14,6 @@ from experiments import heart_disease as H
 # method: (mean per-hospital test accuracy, mean per-hospital test log-loss)
 PINNED = {
     "Local": (0.83824, 0.359864),
-    "FedSGD": (0.77443, 0.452035),
     "FedAvg": (0.78524, 0.443251),
     "IFCA": (0.77641, 0.490316),
     "pFedMe": (0.80380, 0.421022),

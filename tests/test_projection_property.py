@@ -145,7 +145,7 @@ SETTINGS = dict(
 )
 
 
-@settings(max_examples=30 if EXPLORE else 4, **SETTINGS)
+@settings(max_examples=30 if EXPLORE else 3, **SETTINGS)
 @given(sizes)
 def test_every_solver_matches_cvxpy_float64(draw):
     n, where, seed, kind = draw

@@ -25,7 +25,6 @@ PINNED = {
     "Local": ((38.6068, 42.0003), (0.664778, 0.623728)),
     "FedSGD": ((12.173, 16.0587), (0.906652, 0.882301)),
     "FedAvg": ((12.6906, 12.7294), (0.906276, 0.894068)),
-    "IFCA": ((9.24257, 9.25706), (0.879769, 0.859733)),
     "pFedMe": ((4.15207, 3.67302), (0.939606, 0.943274)),
     "Karula": ((12.8705, 17.0897), (0.919935, 0.884492)),
     "Karula, true D (diagnostic)": ((7.83867, 11.8217), (0.94795, 0.915333)),
@@ -33,7 +32,6 @@ PINNED = {
     "Karula, paper's L1 D (diagnostic)": ((13.3096, 17.4694), (0.91756, 0.882128)),
 }
 PINNED_CHOICES = {
-    "IFCA": ["k=1", "k=1"],
     "pFedMe": ["lambda=0.3", "lambda=0.3"],
     "Karula": ["t=3", "t=3"],
     "Karula, true D (diagnostic)": ["t=3", "t=3"],
@@ -99,10 +97,9 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     # Methods with a grid report what cross-validation chose.
     by_method = {r["method"]: r for r in rows}
     assert by_method["Karula"]["cv_choice"].startswith("t=")
-    assert by_method["IFCA"]["cv_choice"].startswith("k=")
     assert by_method["pFedMe"]["cv_choice"].startswith("lambda=")
     md = (tmp_path / "table.md").read_text()
-    assert all(m in md for m in sr.METHODS) and "±" in md
+    assert all(m in md for m in sr.quick_config().methods) and "±" in md
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["config"]["seeds"] == 2 and cfg["runtime_s"] > 0
     assert len(summary["methods"]["Karula"]["chosen"]) == 2
