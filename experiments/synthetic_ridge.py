@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -203,8 +204,25 @@ def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> 
     return Batch(data, D_true, D_pop, D_l1, L_f, L_max, theta_true, converged, rho_pop)
 
 
+# The configuration fields that shape the methods (not the data draw, folds or rounds).
+_METHOD_FIELDS = (
+    "rate_karula", "rate_fedavg", "rate_ifca", "rate_pfedme", "num_clients", "lam",
+    "clients_per_round", "local_steps", "pfedme_inner_steps", "projection_tol",
+    "projection_max_iter", "t_grid", "theorem_t_grid", "k_grid", "pfedme_grid",
+    "fedprox_grid", "ditto_grid", "penalty_grid", "cluster_grid",
+)  # fmt: skip
+
+
 def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
-    """Every method with the step sizes of ``results/synthetic/README.md``."""
+    """Every method with the step sizes of ``results/synthetic/README.md``: the same
+    objects for configurations equal in :data:`_METHOD_FIELDS`, so that another run (a
+    sensitivity setting, another D) reuses their compiled programs."""
+    return dict(_methods(n_max, **{k: getattr(cfg, k) for k in _METHOD_FIELDS}))
+
+
+@functools.lru_cache(maxsize=8)
+def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
+    cfg = types.SimpleNamespace(**fields)
     rates = dict(karula=cfg.rate_karula, fedavg=cfg.rate_fedavg, ifca=cfg.rate_ifca)
     rates = protocol.smoothness_rates(
         **rates, personal=cfg.rate_pfedme, num_clients=cfg.num_clients
