@@ -26,7 +26,6 @@ grids.
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -403,7 +402,8 @@ def _evaluation(eval_fn, eval_data, eval_per_seed, data, data_per_seed, num_memb
         eval_data, eval_per_seed = data, data_per_seed
     elif eval_per_seed:
         _check_members("eval_data_per_seed", eval_data, num_members)
-    batched = (_kept_eval if reuse else _batched_eval)(eval_fn, grid, eval_per_seed)
+    kept = reuse and _hashable(eval_fn)
+    batched = (_kept_eval if kept else _batched_eval)(eval_fn, grid, eval_per_seed)
     return batched, eval_data, eval_per_seed
 
 
@@ -428,8 +428,14 @@ def _batched_algorithm(
     kw = _check_batch_kwargs(batch_kwargs, hyper_arrays, num_members)
     name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
     per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
-    members = _kept_members if reuse else _members
-    return members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+    if not (reuse and _hashable(make_algorithm)):
+        return _members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+    values = tuple(
+        (k, np.dtype(v.dtype).str, np.shape(v), np.asarray(v).tobytes())
+        for k, v in hyper_arrays.items()
+    )
+    kept = _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values)
+    return kept, name, kw, grid
 
 
 # ``reuse_compiled``: the batched algorithms of recent (factory, grid) pairs. The compiled
@@ -437,28 +443,20 @@ def _batched_algorithm(
 # object for the same factory (by identity) and grid values lets a second batch of one
 # method, e.g. on other data or another member argument such as a dissimilarity matrix
 # (both arguments of the program, not constants), reuse the compiled programs.
-_KEPT: collections.OrderedDict = collections.OrderedDict()
-_KEPT_SIZE = 32
-
-
-def _kept_members(make_algorithm, hyper, grid, *, data_per_seed, params_per_seed) -> Algorithm:
-    """:func:`_members`, the same object again for an equal factory and grid."""
+@functools.lru_cache(maxsize=32)
+def _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values) -> Algorithm:
+    """:func:`_members` of the grid ``values`` (``(name, dtype, shape, bytes)`` per name)."""
+    hyper = {k: jnp.asarray(np.frombuffer(b, dt).reshape(shape)) for k, dt, shape, b in values}
     flags = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
+    return _members(make_algorithm, hyper, grid, **flags)
+
+
+def _hashable(x) -> bool:
     try:
-        values = tuple(
-            (k, np.dtype(v.dtype).str, np.shape(v), np.asarray(v).tobytes())
-            for k, v in sorted(hyper.items())
-        )
-        key = (make_algorithm, grid, data_per_seed, params_per_seed, values)
-        hash(key)
-    except (TypeError, jax.errors.ConcretizationTypeError):  # unhashable or traced
-        return _members(make_algorithm, hyper, grid, **flags)
-    if key not in _KEPT:
-        _KEPT[key] = _members(make_algorithm, hyper, grid, **flags)
-        while len(_KEPT) > _KEPT_SIZE:
-            _KEPT.popitem(last=False)
-    _KEPT.move_to_end(key)
-    return _KEPT[key]
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def run_many(
