@@ -152,6 +152,10 @@ def test_certificate_of_truncated_runs(x64):
         tol=1e-14,
         max_iter=max_iter,
     )
+    # Dykstra's delta is within 1.2x of the truth here. After one Laplacian iteration the
+    # repaired primal point is already near the optimum while the dual bound is not yet:
+    # delta is 36x the suboptimality there.
+    looseness = {"dykstra": 10, "laplacian": 100}
     with jax.enable_x64(x64):
         for method, its in (("dykstra", (10, 30)), ("laplacian", (1, 3))):
             for max_iter in its:
@@ -163,7 +167,7 @@ def test_certificate_of_truncated_runs(x64):
                 delta = float(info.delta)
                 where = (method, max_iter, delta / scale, subopt / scale)
                 assert subopt > 1e-4 * scale, where  # genuinely truncated
-                assert subopt <= delta <= 10 * subopt, where
+                assert subopt <= delta <= looseness[method] * subopt, where
                 gap = obj - _dual_value(info.state.lam, v, radii_sq)
                 np.testing.assert_allclose(delta, gap, rtol=rtol, err_msg=str(where))
                 np.testing.assert_allclose(float(info.rel_delta), delta / scale, rtol=1e-5)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from karula_jax import _linalg
-from karula_jax.projection.reduction import restore, sq_dists_exact
+from karula_jax.projection.reduction import pull_violated, restore, sq_dists_exact
 
 
 def primal_value(th, red):
@@ -64,7 +64,19 @@ def should_stop(delta, red, tol):
     return (delta <= tol * red.scale) | ~jnp.isfinite(delta)
 
 
-def restore_and_certify(th, g, red, *, gram=False):
-    """(restored theta, certified suboptimality) for a primal iterate and a dual bound."""
-    th = restore(th, red.radius, gram=gram)
-    return th, jnp.maximum(primal_value(th, red) - g, 0.0)
+def restore_and_certify(th, g, red, *, gram=False, sweeps=0):
+    """(restored theta, certified suboptimality) for a primal iterate and a dual bound.
+
+    With ``sweeps`` (a traced count, > 0 where wanted) the iterate is also repaired by
+    :func:`~karula_jax.projection.reduction.pull_violated` before its shrink, and the
+    feasible point with the smaller gap is kept; either is exactly feasible.
+    """
+    shrunk = restore(th, red.radius, gram=gram)
+    gap = primal_value(shrunk, red) - g
+    if isinstance(sweeps, int) and sweeps == 0:
+        return shrunk, jnp.maximum(gap, 0.0)
+    pulled = restore(pull_violated(th, red.radius, red.mass, sweeps), red.radius, gram=gram)
+    gap_pulled = primal_value(pulled, red) - g
+    better = gap_pulled < gap
+    th = jnp.where(better, pulled, shrunk)
+    return th, jnp.maximum(jnp.where(better, gap_pulled, gap), 0.0)

@@ -104,6 +104,31 @@ def reduce_problem(x, radii_sq, *, rotate):
     return Reduced(labels, mass, w, radius, mu, basis, scale, count, wbar)
 
 
+def pull_violated(th, radius, mass, sweeps):
+    """Moves the two ends of every violated pair toward each other, ``sweeps`` times.
+
+    One sweep: each violated pair ``(i, j)`` asks for the shortest move that brings it to
+    its radius, split in proportion to the other end's mass (the pair's centre of mass
+    stays); each row takes the average of its requests, times 1.5 (over-relaxed
+    component averaging). A heuristic repair, not a projection: after a dual solver's
+    iterate ``theta(lam)``, whose violations are small and spread over the active pairs,
+    a few sweeps leave a point whose shrink (:func:`restore`) costs far less than the
+    shrink of ``theta(lam)`` itself, which pays for the worst pair on every pair.
+    ``th`` [n, k], ``radius`` [n, n] (inf where unconstrained), ``mass`` [n] (> 0),
+    ``sweeps`` a (traced) count; distances from the Gram matrix.
+    """
+    share = mass[None, :] / (mass[:, None] + mass[None, :])  # of pair (i, j), i's part
+
+    def sweep(_, th):
+        d = jnp.sqrt(sq_dists_gram(th))
+        violated = d > radius  # false on the diagonal and where unconstrained
+        pull = jnp.where(violated, (d - radius) / jnp.where(violated, d, 1.0), 0.0) * share
+        count = jnp.maximum(jnp.sum(violated, axis=1), 1).astype(th.dtype)[:, None]
+        return th - 1.5 * (jnp.sum(pull, axis=1)[:, None] * th - pull @ th) / count
+
+    return jax.lax.fori_loop(0, sweeps, sweep, th)
+
+
 def restore(th, radius, *, gram=False):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds.
 
