@@ -43,8 +43,12 @@ class ScaleConfig:
       t_values: Karula's t: the paper's FEMNIST value and a stress value at which
         constraints are active every round.
       rounds, rounds_large: timed rounds per method (median reported) for n below and
-        from ``large`` on, after one warm-up round; methods take turns round by round.
+        from ``large`` on, after ``warmup`` untimed rounds; methods take turns round by
+        round.
       batch_size, local_steps, karula_lr, fedavg_lr: B, FedAvg's E and the step sizes.
+      karula_default_step: Karula at its derived default step instead of ``karula_lr``
+        (with ``t_values=(0.001,)`` and ``warmup=5`` the constraints bind from n = 30 to
+        300: the mode of issue 24, ``results/bench/scale_binding.md``).
       projection_method: Karula's ``projection_method``.
       (data: ``karula_jax.data.random_classification``, D uniform in [0.5, 1.5].)
     """
@@ -58,6 +62,8 @@ class ScaleConfig:
     local_steps: int = 5
     karula_lr: float = 0.5
     fedavg_lr: float = 0.05
+    karula_default_step: bool = False
+    warmup: int = 1
     projection_method: str = "auto"
 
 
@@ -86,7 +92,13 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
     }
     for t in cfg.t_values:
         make = functools.partial(
-            A.karula, loss, D, t=t, learning_rate=cfg.karula_lr, personalized=pers, **kw
+            A.karula,
+            loss,
+            D,
+            t=t,
+            learning_rate=None if cfg.karula_default_step else cfg.karula_lr,
+            personalized=pers,
+            **kw,
         )
         algs[f"Karula t={t:g}"] = make(projection_method=cfg.projection_method)
         # The same round with the projection skipped: its share of the round's time.
@@ -100,16 +112,16 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
     rounds = cfg.rounds if n < cfg.large else cfg.rounds_large
     times = {k: [] for k in fns}
     infos = {k: [] for k in algs}
-    for r in range(rounds + 1):  # round 0 warms up; methods take turns
+    for r in range(cfg.warmup + rounds):  # methods take turns
         for name, fn in fns.items():
             base = name.removesuffix(" bare")
             if name != base:  # from a copy of the method's state (the call consumes it)
                 states[name] = jax.block_until_ready(jax.tree.map(jnp.copy, states[base]))
             t0 = time.perf_counter()
             states[name], info = jax.block_until_ready(fn(states[name], data))
-            if r > 0:
+            if r >= cfg.warmup:
                 times[name].append(time.perf_counter() - t0)
-            if name in algs and r > 0:
+            if name in algs and r >= cfg.warmup:
                 infos[name].append(info)
     ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     rows = []
@@ -141,7 +153,7 @@ def to_markdown(cfg, argv, rows) -> str:
     return bench_page(
         "FedAvg and Karula rounds as the number of clients grows",
         run_header("experiments.bench_scale", argv, cfg),
-        "One process; after one warm-up round the methods take turns round by round "
+        f"One process; after {cfg.warmup} warm-up round(s) the methods take turns round by round "
         "and the median round is reported. Compile: lowering and compiling one round. "
         "State: bytes of the `FedState` leaves; minimum: what the method must hold "
         "(FedAvg one model; Karula the gradient memory n x p, the personalized leaves "
