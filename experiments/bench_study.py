@@ -49,9 +49,7 @@ class StudyConfig:
     D: the distances between exact local ridge fits (``"local"``) or the study's OT
     embedding (``"embedding"``, ``karula_jax.protocol.member_dissimilarities``).
 
-    Expected: see ``results/bench/README.md``. Runtime: ridge n = 10 and 30 take 1.5 and
-    2 min on 2 CPU cores under load; at n = 100 a loaded machine stalls the solver's
-    LAPACK calls (30 min for the row with 60 warm-up rounds).
+    Expected: see ``results/bench/README.md``. Runtime: about 2 min on 2 CPU cores.
 
     Attributes:
       ridge_sizes, ridge_members: n of the ridge rows and the batch size of each.
@@ -86,7 +84,7 @@ class StudyConfig:
     rounds: int = 10
     large: int = 100
     warmup_large: int = 10
-    rounds_large: int = 3
+    rounds_large: int = 10
     projection_tol: float = 1e-4
     projection_max_iter: int = 1000
     dissimilarity: str = "local"
