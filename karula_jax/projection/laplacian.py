@@ -47,6 +47,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     starts it (symmetrized, clipped at 0); no per-pair state (``pair_dual`` ``[0, k]``).
     """
     n = red.w.shape[0]
+    low_rank = _low_rank(*red.w.shape)
     lam0 = warm.lam
     gram = n > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
@@ -63,7 +64,11 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         pays for the worst violated pair on every pair; where the Lagrangian part of the
         gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``, violated pairs
         are first pulled together (``_SWEEPS`` sweeps), which at n = 100 halves the
-        iterations a warm-started projection needs (``results/bench/README.md``)."""
+        iterations a warm-started projection needs. Only where the models span few
+        dimensions (``_low_rank``): a sweep costs ``O(n^2 k)``, and with ``k`` near ``n``
+        the sweeps cost more than the iterations they save (``results/bench/README.md``)."""
+        if not _SWEEPS or not low_rank:
+            return restore_and_certify(ev.th, ev.g, red, gram=gram)
         lagrangian_gap = primal_value(ev.th, red) - ev.g
         sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
         return restore_and_certify(ev.th, ev.g, red, gram=gram, sweeps=sweeps)
@@ -149,6 +154,13 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
 
+def _low_rank(n, k):
+    """Whether ``n`` models in ``k`` coordinates span few enough dimensions (``3k < 2n``)
+    that ``[n, k]`` products beat ``[n, n]`` ones: the Hessian-vector product goes
+    through the factors and certificates pull violated pairs together first."""
+    return 3 * k < 2 * n
+
+
 def _pair_dot(a, b):
     """Inner product over the pairs ``i < j`` of two symmetric ``[n, n]`` arrays."""
     return 0.5 * jnp.sum(a * b)
@@ -159,11 +171,10 @@ def _hvp(ev, mask, x):
 
     ``(B^T A^-1 B o (B^T th)(B^T th)^T) x`` is the pair differences of ``U th^T`` with
     ``U = A^-1 L_x th`` ([n, k]): ``<U_i - U_j, th_i - th_j>``. Three ``[n, n] x [n, k]``
-    products when ``k < 2n/3`` (at n = 300, k = 50: 20% off a projection), else two
+    products when :func:`_low_rank` (at n = 300, k = 50: 20% off a projection), else two
     ``[n, n]`` products through the Gram matrix.
     """
-    n, k = ev.th.shape
-    if 3 * k < 2 * n:
+    if _low_rank(*ev.th.shape):
         u = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.th - x @ ev.th)
         yt = u @ ev.th.T
         dg = jnp.sum(u * ev.th, axis=1)
