@@ -187,15 +187,11 @@ def _hvp(ev, mask, x):
 def _direction(red, mask, lam, ev, running, cg_iter):
     """(Newton step, diagonally scaled gradient step) at ``lam``; both [n, n].
 
-    A pair is held at 0 when it sits there with a constraint that holds (negative
-    gradient), or with a violated constraint whose relative violation is under ``_ENTER``
-    times the largest such violation: letting every slightly violated pair in at once
-    overshoots, and the active set oscillates. Every pair with a positive multiplier is
-    free; the projected path clips those that the step takes below 0. (Fixing them at 0
-    as soon as the diagonal step crosses 0 dropped too many pairs from a warm start,
-    which then re-entered a few per iteration: 88 -> 64 iterations, summed over the
-    slowest member of each batch, on the n = 100 bench inputs; equal at n = 30 and 300.)
-    The free pairs solve ``H_FF s_F = -grad_F`` by preconditioned CG (at
+    A pair is fixed at 0 (step ``-lam``) when the diagonal Newton step takes it below 0
+    with a negative gradient, or when it sits at 0 with a violated constraint whose
+    relative violation is under ``_ENTER`` times the largest such violation: letting
+    every slightly violated pair in at once overshoots, and the active set oscillates.
+    The free pairs solve ``H_FF s_F = -(grad_F + H_FA s_A)`` by preconditioned CG (at
     most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner).
     """
     eps = jnp.finfo(red.w.dtype).eps
@@ -206,18 +202,19 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     mu = eps * jnp.max(hdiag) + jnp.finfo(red.w.dtype).tiny
     pre = hdiag + mu
     diag_step = ev.grad / pre
-    active = mask & (ev.grad < 0) & (lam <= 0)
+    active = mask & (ev.grad < 0) & (lam + diag_step <= 0)
     rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
     waiting = mask & (lam <= 0) & (ev.grad > 0)
     cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
     active = active | (waiting & (rel < cut))
     free = mask & ~active
-    b = jnp.where(free, ev.grad, 0.0)  # the held pairs stay at 0: no H_FA term
+    s_fixed = jnp.where(active, -lam, 0.0)
+    b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
     op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
     s = _pcg(
         op, b, jnp.where(free, pre, 1.0), _pair_dot, rtol=0.1, max_iter=cg_iter, running=running
     )
-    return jnp.where(free, s, 0.0), jnp.where(mask, diag_step, 0.0)
+    return jnp.where(free, s, s_fixed), jnp.where(mask, diag_step, 0.0)
 
 
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):
