@@ -86,7 +86,7 @@ def _dominant(shape, seed=0):
     return (np.eye(n) * (mass + w.sum(-1))[..., None] - w).astype(np.float32)
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 30, 49, 101, 144])
+@pytest.mark.parametrize("n", [1, 2, 7, 30, 49, 96, 101])
 def test_inv_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
     a = _dominant((2, 3, n, n), seed=n)
     ref = np.linalg.inv(a.astype(np.float64))

@@ -590,7 +590,7 @@ def test_personalized_has_the_factories_meaning():
         proj.init_projection_state(v, personalized=None)
 
 
-@pytest.mark.parametrize("n", [2, 7, 12])
+@pytest.mark.parametrize("n", [2, 9])
 def test_pulled_certificate_is_feasible_and_no_worse_than_the_shrink(n):
     """A dual iterate's theta(lam) pulled together (``sweeps``) and then shrunk is exactly
     feasible, its reported gap is its own primal value minus g(lam) (recomputed here), and
