@@ -35,7 +35,9 @@ How it is solved (all inside one compiled program):
 
    with ``L_lam`` the graph Laplacian of the weights ``lam`` (an ``n x n`` system).
 4. The primal iterate is made exactly feasible by shrinking it toward the mean by
-   ``beta = min(1, min R_cd / ||theta_c - theta_d||)``, and ``delta`` = primal value of
+   ``beta = min(1, min R_cd / ||theta_c - theta_d||)`` (the Laplacian dual, where the
+   models span few dimensions, first pulls violated pairs together and keeps the better
+   of the two feasible points), and ``delta`` = primal value of
    the returned point minus ``g(lam)`` is a certified bound on its suboptimality
    (``1/2 ||theta - theta*||^2 <= delta`` as well, by strong convexity). The loop stops
    when ``delta <= tol * S`` with ``S = 1/2 sum_i ||v_i - mean(v)||^2`` (the value at
