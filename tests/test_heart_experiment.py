@@ -41,6 +41,9 @@ def test_quick_run_writes_table(tmp_path, shared_data_dir):
             assert np.isfinite(v)
         assert 0.0 <= float(r["test_acc"]) <= 1.0
     assert summary["embedding_converged"]
+    # Karula's projection is reported under the table: worst gap and unconverged rounds
+    assert "0 of" in summary["projection"]["Karula"], summary["projection"]
+    assert "Karula's projection: worst certified gap" in (tmp_path / "table.md").read_text()
     # pinned to the seeded values: the log-loss is continuous (rtol 1e-3 is far above float
     # noise across machines); an accuracy moves in steps of a test row, so 0.01 leaves room
     # for a row near the decision boundary

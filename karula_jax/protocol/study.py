@@ -342,7 +342,9 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     """Runs ``study`` end to end and writes ``table.{md,csv}`` and ``summary.json`` to ``out``.
 
     The JSON summary holds the config, every method's CV choice per seed and CV scores,
-    whether every embedding converged, the rows, the wall clock and ``study.summary``.
+    whether every embedding converged, the projection's report of every method that
+    projects (worst certified gap, unconverged rounds; also a note under the table), the
+    rows, the wall clock and ``study.summary``.
 
     Returns:
       The :class:`StudyResult`.
@@ -376,12 +378,17 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     values = {name: study.values(o, data) for name, o in outcomes.items()}
     rows = study_rows(values, outcomes, paired=study.paired)
     result = StudyResult(data, methods, outcomes, [], time.perf_counter() - t0, {})
-    notes = study.notes(result) if study.notes else ()
+    # Every method whose runs projected reports its worst certified gap and the rounds
+    # that did not converge, next to the table (all CV and final runs of all seeds).
+    projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
+    notes = [*(study.notes(result) if study.notes else ())]
+    notes += [f"{m}'s {report} (all CV and final runs)." for m, report in projection.items()]
     summary = {
         "config": dataclasses.asdict(study.config),
         "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
         "cv_score": {m: o.cv_score for m, o in outcomes.items() if o.cv_score is not None},
         "embedding_converged": bool(data.converged.all()),
+        "projection": projection,
         "rows": rows,
         "total_seconds": result.seconds,
     } | dict(study.summary(result) if study.summary else {})
