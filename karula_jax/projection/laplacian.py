@@ -67,7 +67,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         iterations a warm-started projection needs. Only where the models span few
         dimensions (``_low_rank``): a sweep costs ``O(n^2 k)``, and with ``k`` near ``n``
         the sweeps cost more than the iterations they save (``results/bench/README.md``)."""
-        if not _SWEEPS or not low_rank:
+        if not low_rank:
             return restore_and_certify(ev.th, ev.g, red, gram=gram)
         lagrangian_gap = primal_value(ev.th, red) - ev.g
         sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
