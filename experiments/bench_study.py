@@ -49,7 +49,7 @@ class StudyConfig:
     D: the distances between exact local ridge fits (``"local"``) or the study's OT
     embedding (``"embedding"``, ``karula_jax.protocol.member_dissimilarities``).
 
-    Expected: see ``results/bench/README.md``. Runtime: about 2 min on 2 CPU cores.
+    Expected: see ``results/bench/README.md``. Runtime: about 8 min on 2 CPU cores.
 
     Attributes:
       ridge_sizes, ridge_members: n of the ridge rows and the batch size of each.
@@ -57,9 +57,12 @@ class StudyConfig:
       mlp_sizes, mlp_members, mlp_hidden, mlp_features, mlp_t: the MLP rows and their t.
       dim, lam, t_grid: d, the L2 penalty and Karula's grid of t.
       rate_karula, rate_fedavg, local_steps: step rules and FedAvg's E.
-      warmup, rounds: untimed rounds before timing, and timed rounds (median reported);
-        the methods take turns round by round.
-      large, warmup_large, rounds_large: from ``large`` clients on, these counts instead.
+      warmup, rounds: rounds before the first timed window, and the rounds of each window
+        (median reported); the methods take turns round by round.
+      run_rounds: the length of the whole run, whose last ``rounds`` rounds are the second
+        window (the synthetic study's 600: by then the active set has settled).
+      large, warmup_large, rounds_large, run_rounds_large: from ``large`` clients on, these
+        counts instead.
       projection_tol, projection_max_iter: Karula's stopping rule (the experiments'
         tolerance; the library's default cap).
       dissimilarity: ``"local"`` or ``"embedding"``.
@@ -85,6 +88,8 @@ class StudyConfig:
     large: int = 100
     warmup_large: int = 10
     rounds_large: int = 10
+    run_rounds: int = 600
+    run_rounds_large: int = 300
     projection_tol: float = 1e-4
     projection_max_iter: int = 1000
     dissimilarity: str = "local"
@@ -101,6 +106,7 @@ QUICK = StudyConfig(
     mlp_features=8,
     warmup=4,
     rounds=2,
+    run_rounds=10,
 )
 
 
@@ -252,65 +258,107 @@ def bench_workload(cfg: StudyConfig, w: Workload) -> dict:
     )(st, d, D, t, *r)
     fns["bare"] = compiled_round(bare, k_state, *k_args)[0]
     big = w.n >= cfg.large
-    warmup, rounds = (cfg.warmup_large, cfg.rounds_large) if big else (cfg.warmup, cfg.rounds)
-    for _ in range(warmup):
-        k_state, _ = fns["Karula"](k_state, *k_args)
-        f_state, _ = fns["FedAvg"](f_state, w.data, w.rate_fedavg)
-    jax.block_until_ready((k_state, f_state))
-    times = {k: [] for k in fns}
-    infos, active = [], []
-    for _ in range(rounds):
-        for name in fns:
-            if name == "bare":
-                st = jax.block_until_ready(jax.tree.map(jnp.copy, k_state))
+    windows = _windows(cfg, big)
+    total = windows["settled"].stop
+    times = {k: np.zeros(total) for k in fns}  # seconds per batch round
+    infos, active = [], {k: [] for k in windows}
+    iu = np.triu_indices(w.n, 1)
+    for r in range(total):  # the methods take turns round by round
+        timed = [k for k, v in windows.items() if r in v]
+        if timed:
+            st = jax.block_until_ready(jax.tree.map(jnp.copy, k_state))
             t0 = time.perf_counter()
-            if name == "FedAvg":
-                f_state, _ = jax.block_until_ready(fns[name](f_state, w.data, w.rate_fedavg))
-            elif name == "Karula":
-                k_state, info = jax.block_until_ready(fns[name](k_state, *k_args))
-                infos.append(jax.device_get(info))
-                lam = np.asarray(k_state.proj_state.lam)
-                iu = np.triu_indices(w.n, 1)
-                active.append(np.mean(lam[:, iu[0], iu[1]] > 0, axis=1))
-            else:
-                jax.block_until_ready(fns[name](st, *k_args))
-            times[name].append(time.perf_counter() - t0)
-    ms = {k: 1e3 * np.asarray(v) / M for k, v in times.items()}
+            jax.block_until_ready(fns["bare"](st, *k_args))
+            times["bare"][r] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        f_state, _ = jax.block_until_ready(fns["FedAvg"](f_state, w.data, w.rate_fedavg))
+        times["FedAvg"][r] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        k_state, info = jax.block_until_ready(fns["Karula"](k_state, *k_args))
+        times["Karula"][r] = time.perf_counter() - t0
+        infos.append(jax.device_get(info))
+        for k in timed:
+            lam = np.asarray(k_state.proj_state.lam)
+            active[k].append(np.mean(lam[:, iu[0], iu[1]] > 0, axis=1))
+    ms = {k: 1e3 * v / M for k, v in times.items()}
+    stats = lambda rs: _solver_stats(cfg, [infos[r] for r in rs])  # noqa: E731
+    out = dict(name=w.name, n=w.n, p=w.p, members=M, total=total)
+    for k, rs in windows.items():
+        sel = np.asarray(rs)
+        karula_ms = float(np.median(ms["Karula"][sel]))
+        out[k] = stats(rs) | dict(
+            rounds=rs,
+            fedavg_ms=float(np.median(ms["FedAvg"][sel])),
+            karula_ms=karula_ms,
+            ratios=ms["Karula"][sel] / ms["FedAvg"][sel],
+            share=1.0 - float(np.median(ms["bare"][sel])) / karula_ms,
+            active=float(np.mean(active[k])),
+        )
+    out["run"] = stats(range(total)) | dict(
+        fedavg_ms=float(np.mean(ms["FedAvg"])), karula_ms=float(np.mean(ms["Karula"]))
+    )
+    return out
+
+
+def _windows(cfg: StudyConfig, big: bool) -> dict[str, range]:
+    """The timed rounds (0-based): ``transient`` right after the warm-up, ``settled``
+    the last ``rounds`` of a run of ``run_rounds``."""
+    warmup, rounds = (cfg.warmup_large, cfg.rounds_large) if big else (cfg.warmup, cfg.rounds)
+    total = max(cfg.run_rounds_large if big else cfg.run_rounds, warmup + 2 * rounds)
+    return {"transient": range(warmup, warmup + rounds), "settled": range(total - rounds, total)}
+
+
+def _solver_stats(cfg: StudyConfig, infos) -> dict:
     its = np.stack([np.asarray(i.proj_iterations) for i in infos])  # [rounds, M]
     return dict(
-        name=w.name,
-        n=w.n,
-        p=w.p,
-        members=M,
-        fedavg_ms=float(np.median(ms["FedAvg"])),
-        karula_ms=float(np.median(ms["Karula"])),
-        ratios=ms["Karula"] / ms["FedAvg"],
-        share=1.0 - float(np.median(ms["bare"])) / float(np.median(ms["Karula"])),
         its=its,
         cap_hits=int(np.sum(its >= cfg.projection_max_iter)),
         unconverged=int(np.sum(~np.stack([np.asarray(i.proj_converged) for i in infos]))),
         gap=float(max(np.max(np.asarray(i.proj_delta)) for i in infos)),
         violation=float(max(np.max(np.asarray(i.proj_violation)) for i in infos)),
-        active=float(np.mean(active)),
     )
 
 
 HEAD = (
-    "workload | p | members | FedAvg ms | Karula ms | ratio (median, min-max) | projection share"
-    " | iterations mean / max | iteration distribution | cap hits | unconverged"
-    " | worst gap | worst violation | pairs with lam > 0"
+    "workload | rounds | p | members | FedAvg ms | Karula ms | ratio (median, min-max)"
+    " | projection share | iterations mean / max | iteration distribution | cap hits"
+    " | unconverged | worst gap | worst violation | pairs with lam > 0"
+)
+RUN_HEAD = (
+    "workload | rounds | FedAvg ms | Karula ms | ratio | iterations mean / max"
+    " | iteration distribution | cap hits | unconverged | worst gap | worst violation"
 )
 
 
-def row(r: dict) -> str:
-    ratio = r["ratios"]
-    its = r["its"]
+def rows(r: dict) -> list[str]:
+    """One row per timed window of :func:`bench_workload`'s result ``r``."""
+    out = []
+    for k in ("transient", "settled"):
+        w, ratio = r[k], r[k]["ratios"]
+        rounds = f"{w['rounds'].start + 1}-{w['rounds'].stop}"
+        out.append(
+            f"{r['name']} | {rounds} | {r['p']} | {r['members']} | {w['fedavg_ms']:.3f} | "
+            f"{w['karula_ms']:.3f} | {np.median(ratio):.1f}x ({ratio.min():.1f}-"
+            f"{ratio.max():.1f}) | {100 * w['share']:.0f}% | {_solver_columns(w)} | "
+            f"{100 * w['active']:.1f}%"
+        )
+    return out
+
+
+def run_row(r: dict) -> str:
+    """The whole run of ``r``: mean member-round times over every round."""
+    w = r["run"]
     return (
-        f"{r['name']} | {r['p']} | {r['members']} | {r['fedavg_ms']:.3f} | "
-        f"{r['karula_ms']:.3f} | {np.median(ratio):.1f}x ({ratio.min():.1f}-{ratio.max():.1f}) | "
-        f"{100 * r['share']:.0f}% | {its.mean():.1f} / {its.max()} | {distribution(its)} | "
-        f"{r['cap_hits']} | {r['unconverged']} | {r['gap']:.1e} | {r['violation']:.1e} | "
-        f"{100 * r['active']:.1f}%"
+        f"{r['name']} | 1-{r['total']} | {w['fedavg_ms']:.3f} | {w['karula_ms']:.3f} | "
+        f"{w['karula_ms'] / w['fedavg_ms']:.1f}x | {_solver_columns(w)}"
+    )
+
+
+def _solver_columns(w: dict) -> str:
+    its = w["its"]
+    return (
+        f"{its.mean():.1f} / {its.max()} | {distribution(its)} | {w['cap_hits']} | "
+        f"{w['unconverged']} | {w['gap']:.1e} | {w['violation']:.1e}"
     )
 
 
@@ -323,30 +371,37 @@ def workloads(cfg: StudyConfig):
         yield lambda n=n, m=m: mlp_workload(cfg, n, m)
 
 
-def to_markdown(cfg, argv, rows) -> str:
+def to_markdown(cfg, argv, results) -> str:
     return bench_page(
         "Karula where its constraints bind: vmapped member-rounds against FedAvg",
         run_header("experiments.bench_study", argv, cfg),
-        "One process per table; after the warm-up rounds the methods take turns round "
-        "by round. Times are per member-round (a batch's round / its members), median "
-        "over the timed rounds; the ratio's range is over those rounds. Projection "
+        "One process per table; the methods take turns round by round. Two windows of "
+        "rounds are timed: right after the warm-up (the clients have trained apart, the "
+        "multipliers still move) and the last rounds of a run as long as the synthetic "
+        "study's (the active set has settled). Times are per member-round (a batch's "
+        "round / its members), median over the window; the ratio's range is over its "
+        "rounds. Projection "
         "share: 1 - (the same round with the projection replaced by the identity) / "
         "(the round). Iterations: the projection solver's, per member-round (under "
         "vmap a batch waits for its slowest member). Worst gap: the largest certified "
         "gap (absolute); unconverged: member-rounds above tolerance. Pairs with lam > "
         "0: share of the n(n-1)/2 multipliers, mean over members and timed rounds.\n",
-        (HEAD, rows),
+        (HEAD, [line for r in results for line in rows(r)]),
+        "Whole runs: every round from the first (compiled beforehand), mean member-round "
+        "time; the ratio is Karula's total time over FedAvg's.\n",
+        (RUN_HEAD, [run_row(r) for r in results]),
     )
 
 
 def main(argv=None) -> None:
     out = OUTPUT / "bench/study.md"
     cfg, args = cli(StudyConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out)
-    rows = []
+    results = []
     for make in progress_bar(list(workloads(cfg)), desc="workload"):
-        rows.append(row(bench_workload(cfg, make())))
-        print(markdown_table(HEAD, rows[-1:]), flush=True)
-    publish(to_markdown(cfg, argv, rows), args.out, quick=args.quick)
+        results.append(bench_workload(cfg, make()))
+        print(markdown_table(HEAD, rows(results[-1])), flush=True)
+        print(markdown_table(RUN_HEAD, [run_row(results[-1])]), flush=True)
+    publish(to_markdown(cfg, argv, results), args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -48,14 +48,22 @@ def test_bare_round_runs_without_the_projection_even_after_the_full_round():
 
 
 def test_bench_study_times_a_binding_round_and_reports_the_solver():
-    # A smoke run of experiments.bench_study on a tiny ridge batch: the row carries the
-    # solver's statistics, and at t = 0.5 on the normalized D the constraints bind.
+    # A smoke run of experiments.bench_study on a tiny ridge batch: both windows and the
+    # whole run carry the solver's statistics, and at t = 0.5 on the normalized D the
+    # constraints bind.
     from experiments import bench_study as bs
 
-    cfg = bs.StudyConfig(t_grid=(0.5,), warmup=3, rounds=1, dim=5)
+    cfg = bs.StudyConfig(t_grid=(0.5,), warmup=3, rounds=1, run_rounds=7, dim=5)
     result = bs.bench_workload(cfg, bs.linear_workload(cfg, "ridge", 6, 2))
-    assert result["members"] == 2 and result["its"].shape == (1, 2)
-    assert result["cap_hits"] == 0 and result["unconverged"] == 0
-    assert result["active"] > 0
-    assert result["karula_ms"] > 0 and result["fedavg_ms"] > 0
-    assert "|" in bs.row(result) and bs.distribution(np.array([0, 1, 7])) == "0:33% 1:33% 6-10:33%"
+    assert result["members"] == 2 and result["total"] == 7
+    assert result["transient"]["rounds"] == range(3, 4)
+    assert result["settled"]["rounds"] == range(6, 7)
+    assert result["run"]["its"].shape == (7, 2)
+    for w in (result["transient"], result["settled"], result["run"]):
+        assert w["cap_hits"] == 0 and w["unconverged"] == 0
+        assert w["karula_ms"] > 0 and w["fedavg_ms"] > 0
+    assert result["transient"]["its"].shape == (1, 2) and result["transient"]["active"] > 0
+    lines = bs.rows(result)
+    assert [line.split(" | ")[1] for line in lines] == ["4-4", "7-7"]
+    assert bs.run_row(result).split(" | ")[1] == "1-7"
+    assert bs.distribution(np.array([0, 1, 7])) == "0:33% 1:33% 6-10:33%"
