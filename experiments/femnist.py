@@ -64,6 +64,8 @@ class Config:
         first or last is flagged as a grid edge).
       rate_scale, local_steps: multiplies every paper rate; the FedAvg family's local steps.
       ifca_clusters, t: IFCA's clusters (independent random models); Karula's radius scale.
+      t_grid: if given, Karula's t is chosen by CV on the tuning draw among these (at the
+        one step of ``rates``; 0 and ``inf`` are natural limits), instead of ``t``.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
       invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
       *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``).
@@ -93,6 +95,7 @@ class Config:
     local_steps: int = 5
     ifca_clusters: int = 3
     t: float = 20.0
+    t_grid: tuple[float, ...] = ()
     norm: str = "row"
     num_reference: int = 100
     epsilon: float = 0.05
@@ -145,7 +148,8 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     steps["fedprox"] = functools.partial(_fedprox_step, steps["fedavg"], cfg)
     if cfg.rates == "default" and not cfg.t_sweep:  # Karula's rule, coupled to its t and D
         steps["karula"] = lambda **_: None
-    grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t, "FedProx": cfg.fedprox_grid}
+    grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t_grid or cfg.t}
+    grids |= {"FedProx": cfg.fedprox_grid}
     grids |= {"Ditto": cfg.ditto_grid, "Laplacian penalty on D": cfg.penalty_grid}
     grids |= {"Clustered FedAvg on D": cfg.cluster_grid}
     mask = dict(personalized=personal)
@@ -300,7 +304,13 @@ def main(argv=None) -> dict:
     if cfg.t_sweep:
         if cfg.rates == "cv":
             raise ValueError("t_sweep takes one step for every t: rates 'paper' or 'default'")
+        if cfg.t_grid:
+            raise ValueError("t_sweep and t_grid exclude each other: a sweep or a CV over t")
         return run_t_sweep(cfg, args.out, args.tag)
+    if cfg.t_grid and len(cfg.t_grid) < 2:
+        raise ValueError(
+            f"t_grid must hold at least two values of t to choose from, got {cfg.t_grid}"
+        )
     return run_experiment(cfg, args.out, args.tag)
 
 
@@ -310,6 +320,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     model, loss, seed_keys, params0, personal = _setup(cfg)
     methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
     fixed, chosen, labels = tune(cfg, model, methods)
+    t = float(chosen["Karula"]["t"]) if cfg.t_grid else cfg.t
 
     data = _study_data(cfg, S, 0)  # no folds: the grids are fixed
     train, test, writers = data.cv.train, data.cv.evals, data.extras
@@ -380,7 +391,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
         f"pixels, {_rates_text(cfg)} (library rates, seed 0: "
         + ", ".join(f"{k} {np.round(np.asarray(v[0]), 4)}" for k, v in rates.items())
-        + f"). Karula: t = {cfg.t:g} on D ({cfg.norm} norm), output layer personalized (also "
+        + f"). Karula: t = {t:g} on D ({cfg.norm} norm), output layer personalized (also "
         f"in the penalty and FedPer); the FedAvg family: {cfg.local_steps} local "
         f"steps; IFCA: {cfg.ifca_clusters} independently initialized clusters, in use at the "
         f"end per seed: {ifca_used}.",
@@ -407,7 +418,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
     )
     # Karula's constraints: the fraction active at the end, per seed
-    active = _active(outcomes["Karula"].params, data.D, cfg.t, personal).tolist()
+    active = _active(outcomes["Karula"].params, data.D, t, personal).tolist()
     trio = reporting.plot_client_triplet(
         jax.tree.map(lambda a: a[0], train),
         [f"writer {w} (client {i})" for i, w in enumerate(writers[0])],

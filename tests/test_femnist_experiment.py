@@ -104,3 +104,10 @@ def test_t_sweep_trains_karula_at_one_step_for_every_t(tmp_path, shared_data_dir
     assert all(0 <= a <= 100 for a in acc["Karula t=0"] + acc["Karula t=inf"])
     with pytest.raises(ValueError, match="one step for every t"):
         femnist.main([*argv, "--t-sweep", "0", "--rates", "cv"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        femnist.main([*argv, "--t-sweep", "0", "--t-grid", "0,inf"])
+    # t chosen by CV on the tuning draw: one of the grid's, reported with its active pairs
+    summary = femnist.main([*argv, "--t-grid", "0,inf", "--tag", "tcv"])
+    (t,) = {summary["chosen"]["Karula"]["t"]}
+    assert t in (0.0, np.inf) and summary["chosen_labels"]["Karula"] in ("t=0", "t=inf")
+    assert summary["karula_active_fraction"] == ([1.0, 1.0] if t == 0 else [0.0, 0.0])
