@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 
 import jax
@@ -40,6 +42,10 @@ class ProjectionBenchConfig:
       reps, large_reps: timed calls after the first (the fastest is reported).
       robust_n, robust_p, robust_reps: sizes of the robustness table and instances per
         kind and size.
+      sweep_n, sweep_p, sweep_calls: the sweep over p (a whole-model MLP's size, n
+        clients): ``sweep_calls`` timed calls of ``project`` with the library defaults at
+        each p, quiet and with one CPU-bound process beside it (min, median, max).
+      parts: which of ``"cvxpy"``, ``"robustness"`` and ``"sweep"`` to run.
     """
 
     sizes: tuple[tuple[int, int], ...] = ((10, 50), (30, 1010))
@@ -49,11 +55,22 @@ class ProjectionBenchConfig:
     robust_n: tuple[int, ...] = (2, 3, 5, 7, 10, 16, 23, 30, 40)
     robust_p: tuple[int, ...] = (1, 3, 20, 200, 1010)
     robust_reps: int = 2
+    sweep_n: int = 15
+    sweep_p: tuple[int, ...] = (250, 500, 1000, 1500, 2000, 2442)
+    sweep_calls: int = 50
+    parts: tuple[str, ...] = ("cvxpy", "robustness", "sweep")
 
 
 QUICK = ProjectionBenchConfig(
-    sizes=((10, 50),), large_n=(), robust_n=(3, 7), robust_p=(1, 20), robust_reps=1
+    sizes=((10, 50),),
+    large_n=(),
+    robust_n=(3, 7),
+    robust_p=(1, 20),
+    robust_reps=1,
+    sweep_p=(40, 80),
+    sweep_calls=5,
 )
+PARTS = ("cvxpy", "robustness", "sweep")
 ROBUST_MAX_ITER = 500
 KINDS = ("gauss", "clusters", "line", "duplicates", "tiny radii", "inf and zero radii", "scaled")
 
@@ -193,23 +210,80 @@ def bench(cfg: ProjectionBenchConfig) -> list[str]:
     return rows
 
 
+def sweep(cfg: ProjectionBenchConfig) -> list[str]:
+    """Per p: ms of ``cfg.sweep_calls`` compiled calls (min, median, max), quiet and with
+    one CPU-bound process on another core, and the loaded / quiet ratio of the medians."""
+    calls = {}
+    for p in progress_bar(cfg.sweep_p, desc="sweep over p"):
+        args = tuple(map(jnp.asarray, make_instance(cfg.sweep_n, p)))
+        args = tuple(a.astype(jnp.float32) for a in args)
+        jax.block_until_ready(projection.project(*args))
+        for load in (False, True):
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load else None
+            try:
+                ms = []
+                for _ in range(cfg.sweep_calls):
+                    t0 = time.perf_counter()
+                    _, info = jax.block_until_ready(projection.project(*args))
+                    ms.append(1e3 * (time.perf_counter() - t0))
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
+            calls[p, load] = (np.asarray(ms), int(info.iterations))
+    rows = []
+    for p in cfg.sweep_p:
+        (quiet, its), (loaded, _) = calls[p, False], calls[p, True]
+        spread = lambda a: f"{a.min():.2f} / {np.median(a):.2f} / {a.max():.2f}"  # noqa: E731
+        ratio = np.median(loaded) / np.median(quiet)
+        rows.append(f"{p} | {its} | {spread(quiet)} | {spread(loaded)} | {ratio:.2f}x")
+    return rows
+
+
 def main(argv=None) -> None:
     out = OUTPUT / "bench/projection.md"
     cfg, args = cli(
         ProjectionBenchConfig, argv, quick=lambda _: QUICK, description=__doc__, out=out
     )
-    rows, robust = bench(cfg), robustness(cfg)
+    unknown = set(cfg.parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
+    parts = [run_header("experiments.bench_projection", argv, cfg)]
+    if "cvxpy" in cfg.parts:
+        parts += cvxpy_part(cfg)
+    if "robustness" in cfg.parts:
+        parts += robustness_part(cfg)
+    if "sweep" in cfg.parts:
+        parts += [
+            f"\n## Time against p\n\n{cfg.sweep_calls} calls of ``project`` (library "
+            f"defaults, cold start) at n = {cfg.sweep_n} per p, on :func:`make_instance`; "
+            "ms min / median / max, quiet and with one CPU-bound Python process running "
+            "beside it.\n",
+            (
+                "p | iterations | quiet ms min / median / max | loaded ms min / median / max"
+                " | loaded / quiet (median)",
+                sweep(cfg),
+            ),
+        ]
+    text = bench_page("Projection onto K: karula_jax vs cvxpy (Clarabel)", *parts)
+    publish(text, args.out, quick=args.quick)
+
+
+def cvxpy_part(cfg: ProjectionBenchConfig) -> list:
     head = "(n, p) | solver | dtype | time [s] | CPU time [s] | compile [s] | iterations"
     head += " | delta / S | rel. violation | speed-up vs cvxpy"
-    text = bench_page(
-        "Projection onto K: karula_jax vs cvxpy (Clarabel)",
-        run_header("experiments.bench_projection", argv, cfg),
+    return [
         "Time: the fastest call after compilation (compile = first call minus it); CPU "
         "time: the process CPU time of that call. delta / S: certified relative "
         "suboptimality (cvxpy: its objective minus karula_jax's best float64 dual bound). "
         "Relative violation: max_ij (||theta_i - theta_j|| - r_ij)+ / max r_ij, from "
         "explicit float64 differences. cvxpy's time includes building the problem.\n",
-        (head, rows),
+        (head, bench(cfg)),
+    ]
+
+
+def robustness_part(cfg: ProjectionBenchConfig) -> list:
+    return [
         f"\n## Robustness\n\n{cfg.robust_reps} random instances of each kind ("
         f"{', '.join(KINDS)}; :func:`hard_instance`) for n in {cfg.robust_n} and p in "
         f"{cfg.robust_p}, float32, tol = 1e-6, max_iter = "
@@ -218,10 +292,9 @@ def main(argv=None) -> None:
         (
             "solver | converged | worst delta / S | worst rel. violation | median "
             "iterations | median time [ms]",
-            robust,
+            robustness(cfg),
         ),
-    )
-    publish(text, args.out, quick=args.quick)
+    ]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The benchmarks' own measuring tools."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from karula_jax import algorithms as A
 from karula_jax.benchmarking import compiled_round
@@ -67,3 +70,20 @@ def test_bench_study_times_a_binding_round_and_reports_the_solver():
     assert [line.split(" | ")[1] for line in lines] == ["4-4", "7-7"]
     assert bs.run_row(result).split(" | ")[1] == "1-7"
     assert bs.distribution(np.array([0, 1, 7])) == "0:33% 1:33% 6-10:33%"
+
+
+def test_bench_projection_sweep_over_p_reports_quiet_and_loaded_calls():
+    # The sweep of experiments.bench_projection: one row per p with the solver's
+    # iterations, min <= median <= max of the quiet and the loaded calls and their ratio;
+    # an unknown part is refused by name.
+    from experiments import bench_projection as bp
+
+    cfg = dataclasses.replace(bp.QUICK, sweep_p=(31,), sweep_calls=3)
+    (row,) = bp.sweep(cfg)
+    p, its, quiet, loaded, ratio = row.split(" | ")
+    assert p == "31" and int(its) >= 0 and ratio.endswith("x")
+    for spread in (quiet, loaded):
+        lo, mid, hi = map(float, spread.split(" / "))
+        assert 0 < lo <= mid <= hi
+    with pytest.raises(ValueError, match="parts must be among"):
+        bp.main(["--quick", "--parts", "cvxpy,timing"])
