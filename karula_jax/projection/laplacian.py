@@ -142,24 +142,26 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     fast = functools.partial(dual_eval, red=red, gram=True)
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
 
-    def certified(lam, ev):
-        # With Gram distances the exact evaluation of lam differs from the fast one only in
-        # g's residual term: one product instead of a new inverse.
-        if not gram:
-            return exact(lam)
-        res = red.mass[:, None] * red.w - (jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam) @ ev.th
-        return ev._replace(g=ev.g - 0.5 * jnp.sum(res * res))
-
     def phase(i, carry):
         lam, ev, it = carry
         evaluate = lambda x: jax.lax.cond(i == 0, fast, exact, x)  # noqa: E731
-        ev = jax.lax.cond(i == 0, lambda: ev, lambda: certified(lam, ev))
+        recertify = lambda: _certified(red, lam, ev) if gram else exact(lam)  # noqa: E731
+        ev = jax.lax.cond(i == 0, lambda: ev, recertify)
         return ascend(lam, ev, it, skip, evaluate)
 
     lam, ev, it = jax.lax.fori_loop(0, 2, phase, (lam0, fast(lam0), jnp.int32(0)))
     th, delta = certify(ev, False)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
+
+
+def _certified(red, lam, ev):
+    """``ev`` (Gram distances, ``dual_eval(..., certify=False)`` at ``lam``) as the certified
+    evaluation: the two differ only in g's residual term, one product instead of a new
+    inverse."""
+    a = jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam
+    res = red.mass[:, None] * red.w - a @ ev.th
+    return ev._replace(g=ev.g - 0.5 * jnp.sum(res * res))
 
 
 def _low_rank(n, k):
