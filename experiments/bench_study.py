@@ -49,7 +49,7 @@ class StudyConfig:
     D: the distances between exact local ridge fits (``"local"``) or the study's OT
     embedding (``"embedding"``, ``karula_jax.protocol.member_dissimilarities``).
 
-    Expected: see ``results/bench/README.md``. Runtime: about 8 min on 2 CPU cores.
+    Expected: see ``results/bench/README.md``. Runtime: about 4 min on 2 CPU cores.
 
     Attributes:
       ridge_sizes, ridge_members: n of the ridge rows and the batch size of each.
