@@ -210,16 +210,32 @@ def bench(cfg: ProjectionBenchConfig) -> list[str]:
     return rows
 
 
+# One CPU-bound process: it says when it runs, and stops by itself after 10 minutes or
+# when its parent is gone (a killed bench leaves no spinning child behind).
+_BUSY = (
+    "import os, time\nparent, end = os.getppid(), time.time() + 600\nprint(flush=True)\n"
+    "while os.getppid() == parent and time.time() < end:\n    pass\n"
+)
+
+
+def _busy_process() -> subprocess.Popen:
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE)
+    busy.stdout.readline()  # spinning from here on
+    return busy
+
+
 def sweep(cfg: ProjectionBenchConfig) -> list[str]:
     """Per p: ms of ``cfg.sweep_calls`` compiled calls (min, median, max), quiet and with
-    one CPU-bound process on another core, and the loaded / quiet ratio of the medians."""
+    one CPU-bound process running beside it, and the loaded / quiet ratio of the medians."""
+    if cfg.sweep_calls < 1:
+        raise ValueError(f"sweep_calls must be at least 1, got {cfg.sweep_calls}")
     calls = {}
     for p in progress_bar(cfg.sweep_p, desc="sweep over p"):
         args = tuple(map(jnp.asarray, make_instance(cfg.sweep_n, p)))
         args = tuple(a.astype(jnp.float32) for a in args)
         jax.block_until_ready(projection.project(*args))
         for load in (False, True):
-            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load else None
+            busy = _busy_process() if load else None
             try:
                 ms = []
                 for _ in range(cfg.sweep_calls):
@@ -230,6 +246,7 @@ def sweep(cfg: ProjectionBenchConfig) -> list[str]:
                 if busy is not None:
                     busy.kill()
                     busy.wait()
+                    busy.stdout.close()
             calls[p, load] = (np.asarray(ms), int(info.iterations))
     rows = []
     for p in cfg.sweep_p:

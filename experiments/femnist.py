@@ -65,7 +65,8 @@ class Config:
       rate_scale, local_steps: multiplies every paper rate; the FedAvg family's local steps.
       ifca_clusters, t: IFCA's clusters (independent random models); Karula's radius scale.
       t_grid: if given, Karula's t is chosen by CV on the tuning draw among these (at the
-        one step of ``rates``; 0 and ``inf`` are natural limits), instead of ``t``.
+        step of ``rates``, jointly with the rate when ``rates="cv"``; 0 and ``inf`` are
+        natural limits), instead of ``t``.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
       invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
       *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``).

@@ -73,8 +73,9 @@ def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     assert by_method["Karula"]["chosen"] in ("t=0", "t=20", "t=inf")
     t = summary["chosen"]["Karula"]["t"]
     assert f"Karula: t = {t:g} on D" in (tmp_path / "table.md").read_text()
-    active = summary["karula_active_fraction"]
-    assert active == {0.0: [1.0, 1.0], np.inf: [0.0, 0.0]}.get(t, active) and len(active) == 2
+    # CV picks t = 0 on this tuning draw (the pinned values below are at that t): every
+    # pair active at the end of both seeds
+    assert t == 0.0 and summary["karula_active_fraction"] == [1.0, 1.0]
     # pinned to the seeded values: the training loss is continuous (rtol 1e-4 of a loss
     # that moved ~1% from log 10 in 10 rounds; far above float noise across machines); an
     # accuracy moves in steps of a test digit, so 0.5 points leave room for a digit whose

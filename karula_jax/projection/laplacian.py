@@ -132,10 +132,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         return lam, ev, it
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
-    # Phase 1: certified evaluations with exact distances (below ``_GRAM_ABOVE`` clients)
-    # from where phase 0 stopped. Its first evaluation is the final certificate; it
-    # iterates only where that certificate misses ``tol`` after phase 0's cheaper values
-    # met it (rare, float32 near ``tol``), so under vmap it usually takes no trip. The
+    # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients; above,
+    # phase 0's last evaluation recertified by ``_certified``), the first of them the final
+    # certificate; it iterates only where that misses ``tol`` after phase 0's values met it
+    # (rare, float32 near ``tol``), so under vmap it usually takes no trip. The
     # two phases are two trips of one loop (its index is the same for every member under
     # vmap, so the choice of evaluation stays a branch), which compiles the Newton
     # iteration once.
