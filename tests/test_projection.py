@@ -616,9 +616,9 @@ def test_pulled_certificate_is_feasible_and_no_worse_than_the_shrink(n):
 
 def test_recertified_gram_evaluation_equals_the_certified_one():
     """Above 96 clients the Laplacian solver's phase 1 starts from phase 0's last (Gram,
-    uncertified) evaluation with g's residual term subtracted (``_certified``): the same
+    uncertified) evaluation with g's residual term subtracted (``certified``): the same
     as evaluating afresh with ``certify=True``, and a lower bound below the uncertified g."""
-    from karula_jax.projection import certificate, laplacian, reduction
+    from karula_jax.projection import certificate, reduction
 
     rng = np.random.default_rng(5)
     n, p = 11, 4
@@ -629,12 +629,12 @@ def test_recertified_gram_evaluation_equals_the_certified_one():
     lam = jnp.where(certificate.dual_mask(red), lam + lam.T, 0.0)
     fast = certificate.dual_eval(lam, red, gram=True)
     exact = certificate.dual_eval(lam, red, gram=True, certify=True)
-    got = laplacian._certified(red, lam, fast)
+    got = certificate.certified(lam, fast, red)
     np.testing.assert_allclose(float(got.g), float(exact.g), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(got.th), np.asarray(fast.th))
     # the residual term itself, on a theta far from the Lagrangian's minimizer (numpy)
     th = fast.th + 0.05 * jnp.asarray(rng.normal(size=fast.th.shape), jnp.float32)
-    got = laplacian._certified(red, lam, fast._replace(th=th))
+    got = certificate.certified(lam, fast._replace(th=th), red)
     mass, w, L = (np.asarray(a, np.float64) for a in (red.mass, red.w, lam))
     a = np.diag(mass + L.sum(1)) - L
     res = mass[:, None] * w - a @ np.asarray(th, np.float64)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from karula_jax.projection.certificate import (
+    certified,
     dual_eval,
     dual_mask,
     primal_value,
@@ -133,7 +134,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
     # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients; above,
-    # phase 0's last evaluation recertified by ``_certified``), the first of them the final
+    # phase 0's last evaluation recertified by ``certified``), the first of them the final
     # certificate; it iterates only where that misses ``tol`` after phase 0's values met it
     # (rare, float32 near ``tol``), so under vmap it usually takes no trip. The
     # two phases are two trips of one loop (its index is the same for every member under
@@ -145,7 +146,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     def phase(i, carry):
         lam, ev, it = carry
         evaluate = lambda x: jax.lax.cond(i == 0, fast, exact, x)  # noqa: E731
-        recertify = lambda: _certified(red, lam, ev) if gram else exact(lam)  # noqa: E731
+        recertify = lambda: certified(lam, ev, red) if gram else exact(lam)  # noqa: E731
         ev = jax.lax.cond(i == 0, lambda: ev, recertify)
         return ascend(lam, ev, it, skip, evaluate)
 
@@ -153,15 +154,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     th, delta = certify(ev, False)
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
-
-
-def _certified(red, lam, ev):
-    """``ev`` (Gram distances, ``dual_eval(..., certify=False)`` at ``lam``) as the certified
-    evaluation: the two differ only in g's residual term, one product instead of a new
-    inverse."""
-    a = jnp.diag(red.mass + jnp.sum(lam, axis=1)) - lam
-    res = red.mass[:, None] * red.w - a @ ev.th
-    return ev._replace(g=ev.g - 0.5 * jnp.sum(res * res))
 
 
 def _low_rank(n, k):
