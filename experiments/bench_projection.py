@@ -17,6 +17,8 @@ from karula_jax.benchmarking import bench_page, cvxpy_projection, publish, run_h
 from karula_jax.reporting import cli
 from karula_jax.training import progress_bar
 
+PARTS = ("cvxpy", "robustness", "sweep")  # the page's sections, in order
+
 
 @dataclasses.dataclass(frozen=True)
 class ProjectionBenchConfig:
@@ -58,7 +60,7 @@ class ProjectionBenchConfig:
     sweep_n: int = 15
     sweep_p: tuple[int, ...] = (250, 500, 1000, 1500, 2000, 2442)
     sweep_calls: int = 50
-    parts: tuple[str, ...] = ("cvxpy", "robustness", "sweep")
+    parts: tuple[str, ...] = PARTS
 
 
 QUICK = ProjectionBenchConfig(
@@ -70,7 +72,6 @@ QUICK = ProjectionBenchConfig(
     sweep_p=(40, 80),
     sweep_calls=5,
 )
-PARTS = ("cvxpy", "robustness", "sweep")
 ROBUST_MAX_ITER = 500
 KINDS = ("gauss", "clusters", "line", "duplicates", "tiny radii", "inf and zero radii", "scaled")
 
