@@ -49,11 +49,13 @@ def lipschitz_ridge(
     blocks ``alpha_i (X_i^T X_i / N_i + lam I) / n``, so
     ``L = max_i alpha_i L_i / n`` with ``L_i = lambda_max(X_i^T X_i / N_i) + lam``.
     Karula's default step is ``1 / L`` when every client participates and smaller with
-    client sampling (:func:`karula_jax.algorithms.karula_learning_rate`); the paper's
-    ``3 / (8L)`` can diverge with ``s < n`` and weakly coupled clients.
+    client sampling (:func:`karula_jax.algorithms.karula_learning_rate`); ``3 / (8L)`` with
+    this product-space ``L`` (a step n times Theorem 4.3's) can diverge with ``s < n`` and
+    weakly coupled clients.
 
     The paper's theorem assumes each ``alpha_i f_i`` is ``L``-smooth, i.e.
-    ``L_paper = max_i alpha_i L_i = n * L`` (``per_client=True``).
+    ``L_paper = max_i alpha_i L_i = n * L`` (``per_client=True``); its step
+    ``3 / (8 L_paper)`` is ``karula(..., learning_rate="theorem")``.
 
     A client without samples (``N_i = 0``) has ``f_i(theta) = lam/2 ||theta||^2`` (the
     masked mean of :func:`karula_jax.models.ridge_loss` over no row is 0), so its
