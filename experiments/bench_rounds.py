@@ -173,7 +173,7 @@ def to_markdown(cfg, argv, rows, proj_rows) -> str:
         "parameters after the same rounds.\n",
         (HEAD, rows),
         "\nProjection share of a compiled Karula round: the same compiled chunk of rounds "
-        "with and without the projection (traced with `projection.project` replaced by "
+        'with and without the projection (traced with `projection_method="none"`, '
         "the identity), timed alternately; share = 1 - without / with. Iterations, gap "
         "and violation: the compiled run.\n",
         (PROJ_HEAD, proj_rows),

@@ -95,8 +95,8 @@ def _gauss_jordan_blocked(a):
     Block step ``K`` inverts the pivot block ``P = a_KK`` (scalar Gauss-Jordan, ``b``
     steps on ``[b, b]``), then sets ``a_Kj <- P^-1 a_Kj``, ``a_iK <- -a_iK P^-1`` and
     ``a_ij <- a_ij - a_iK P^-1 a_Kj``: one rank-``b`` matrix product per block instead
-    of ``b`` rank-one passes over the whole matrix (at n = 300, 6x less time on the CPU:
-    each pass is bound by memory traffic). ``n`` is padded with identity rows to
+    of ``b`` rank-one passes over the whole matrix, each bound by memory traffic (timings:
+    ``docs/implementation_notes.md``). ``n`` is padded with identity rows to
     ``ceil(n / b) * b``; the pivot blocks of a strictly diagonally dominant matrix and
     all its Schur complements are strictly diagonally dominant, so no block is singular.
     """

@@ -56,17 +56,14 @@ __all__ = [
     "pairwise_from_embeddings",
 ]
 
-# Absolute entropic regularization. Calibrated on FEMNIST digits (784 pixels in [0, 1] plus a
-# one-hot label, transport costs around 10): 0.05 gave Spearman 0.98 against exact W1 with every
-# solve converged. It is absolute, so data on a very different scale may need another value.
+# Absolute entropic regularization, calibrated on FEMNIST digits (transport costs around 10;
+# docs/implementation_notes.md). Absolute, so data on a very different scale may need another
+# value.
 DEFAULT_EPSILON = 0.05
 DEFAULT_THRESHOLD = 1e-3
 DEFAULT_MAX_ITERATIONS = 5000
-# Lehmann's adaptive over-relaxation is set at this iteration from the observed error decay.
-# Synthetic ridge, n = 200, epsilon 0.05: plain Sinkhorn needs 1000 iterations (median
-# client; 1880 at most), this 190 (450) with the plain polish, and the same Spearman against
-# exact W1. An earlier start (30) misread the transient decay and over-relaxed too hard;
-# epsilon decay and Anderson acceleration (ott-jax) were slower on that case.
+# Lehmann's adaptive over-relaxation is set at this iteration from the observed error decay
+# (why this iteration and not another: docs/implementation_notes.md).
 DEFAULT_MOMENTUM_START = 50
 # Clients solved at once (lax.map over vmapped batches): memory O(batch * N0 * N_max) in the
 # solver, and a batch stops with its own slowest client instead of the slowest of all.

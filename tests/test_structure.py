@@ -179,6 +179,7 @@ MEASUREMENT = re.compile(
     r"|\b\d+(\.\d+)?\s*(ms|µs|GB|MB)\b"
     r"|\b\d+(\.\d+)?x (faster|slower|[A-Z]\w*'s)"
     r"|\bhung in \d+ of \d+"
+    r"|\b\d+(\.\d+)?x (less|more)\b|\b\d+(\.\d+)?% (off|less|more|faster|slower)\b"
 )
 # A page of the repository that a docstring cites by relative path.
 CITED_PAGE = re.compile(r"\b((?:docs|results)/[\w./-]+\.md)\b")
@@ -228,6 +229,8 @@ def test_the_docstring_check_sees_planted_offenders():
         'def f():\n    """0.14 / 1.3 / 3.1 ms for n = 30 / 100 / 200."""',
         'def f():\n    """its state is 2.5 GB at n = 1000."""',
         'def f():\n    """it hung in 4 of 25 processes."""',
+        'def f():\n    """at n = 300, 6x less time on the CPU."""',
+        'def f():\n    """(at n = 300, k = 50: 20% off a projection)."""',
         'def f():\n    """The derivation: ``docs/no_such_page.md``."""',
     ]
     for source in planted:

@@ -173,8 +173,8 @@ def _hvp(ev, mask, x):
 
     ``(B^T A^-1 B o (B^T th)(B^T th)^T) x`` is the pair differences of ``U th^T`` with
     ``U = A^-1 L_x th`` ([n, k]): ``<U_i - U_j, th_i - th_j>``. Three ``[n, n] x [n, k]``
-    products when :func:`_low_rank` (at n = 300, k = 50: 20% off a projection), else two
-    ``[n, n]`` products through the Gram matrix.
+    products when :func:`_low_rank` (cheaper there: ``docs/implementation_notes.md``), else
+    two ``[n, n]`` products through the Gram matrix.
     """
     if _low_rank(*ev.th.shape):
         u = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.th - x @ ev.th)
