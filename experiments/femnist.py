@@ -69,7 +69,9 @@ class Config:
         natural limits), instead of ``t``.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
       invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
-      *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``).
+      *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``); 0 is each
+        method's natural limit (FedProx: FedAvg; Ditto: local personal models; the penalty:
+        no coupling), so a choice of 0 is not flagged as a grid edge.
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
         Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
@@ -101,10 +103,10 @@ class Config:
     num_reference: int = 100
     epsilon: float = 0.05
     invert: bool = False
-    fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
-    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
-    penalty_grid: tuple[float, ...] = (0.01, 0.1, 1.0)
-    cluster_grid: tuple[int, ...] = (2, 3, 5)
+    fedprox_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
+    ditto_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
+    penalty_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
+    cluster_grid: tuple[int, ...] = (2, 3, 5, 8, 15)
     methods: tuple[str, ...] = METHODS
     t_sweep: tuple[float, ...] = ()
 
@@ -145,7 +147,7 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     )
     steps = dict(local=pick("local"), fedavg=pick("fedavg"), ifca=pick("fedavg"))
     steps |= dict(karula=pick("karula"), penalty=pick("karula"), ditto_personal=pick("fedavg"))
-    steps["penalty_mu"] = lambda mu, **kw: mu / steps["karula"](**kw)
+    steps["penalty_mu"] = lambda mu, **kw: mu / steps["penalty"](**kw)
     steps["fedprox"] = functools.partial(_fedprox_step, steps["fedavg"], cfg)
     if cfg.rates == "default" and not cfg.t_sweep:  # Karula's rule, coupled to its t and D
         steps["karula"] = lambda **_: None

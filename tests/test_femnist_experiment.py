@@ -53,6 +53,32 @@ def test_fedprox_own_default_step_adds_mu_to_the_smoothness():
         assert paper == 0.1  # the paper's rates are fixed numbers
 
 
+@pytest.mark.parametrize("rates", ["paper", "default", "cv"])
+def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
+    # Each committed configuration builds every method at every grid point (the penalty's
+    # mu / L_f once divided by Karula's step, which the "default" mode leaves to Karula's
+    # own coupled rule: None). Building traces nothing, so this is cheap.
+    import jax
+    import jax.numpy as jnp
+
+    cfg = femnist.Config(rates=rates, seeds=1)
+    _, loss, _, params0, personal = femnist._setup(cfg)
+    methods = femnist.make_methods(cfg, loss, personal)
+    n = 4
+    shape = (len(cfg.rate_multiples) + 1,) if rates == "cv" else ()
+    kw = dict(
+        D=jnp.ones((n, n)) - jnp.eye(n),
+        rates={k: jnp.full(shape, 0.1) for k in ("local", "fedavg", "karula")},
+        labels=jnp.zeros((len(cfg.cluster_grid), n), jnp.int32),
+        clusters=jax.tree.map(lambda a: jnp.stack([a[0]] * cfg.ifca_clusters), params0),
+    )
+    assert set(methods) == set(femnist.METHODS)
+    for name, method in methods.items():
+        for point in method.points():
+            alg = method.make(**kw, **{k: jnp.asarray(v) for k, v in point.items()})
+            assert callable(alg.round), (name, point)
+
+
 def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
     argv = ["--quick", "--out", str(tmp_path), "--data-dir", str(shared_data_dir / "femnist")]
     summary = femnist.main([*argv, "--t-grid", "0,20,inf"])
