@@ -121,6 +121,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "certificate: returns the other repaired point than the one whose gap it reports",
     ),
     Mutant(
+        "certificate_residual_dropped",
+        "karula_jax/projection/certificate.py",
+        "    return 0.5 * jnp.sum(res * res)\n",
+        "    return 0.0 * jnp.sum(res * res)\n",
+        PROJ_TESTS,
+        "certificate: the dual bound ignores that theta only approximately minimizes the "
+        "Lagrangian (the residual term; phase 1 above 96 clients and every exact evaluation)",
+    ),
+    Mutant(
         "inverse_block_column_sign",
         "karula_jax/_linalg.py",
         "out = jax.lax.dynamic_update_slice(out, -(cols @ pivot_inv), (0, k0))",
