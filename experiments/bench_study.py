@@ -382,8 +382,9 @@ def to_markdown(cfg, argv, results) -> str:
         "round / its members), median over the window; the ratio's range is over its "
         "rounds. Projection "
         "share: 1 - (the same round with the projection replaced by the identity) / "
-        "(the round). Iterations: the projection solver's, per member-round (under "
-        "vmap a batch waits for its slowest member). Worst gap: the largest certified "
+        "(the round). Iterations: the projection solver's, per member-round (on the CPU "
+        "the members' projections run in turn, each its own count; on a GPU a vmapped "
+        "batch waits for its slowest member). Worst gap: the largest certified "
         "gap (absolute); unconverged: member-rounds above tolerance. Pairs with lam > "
         "0: share of the n(n-1)/2 multipliers, mean over members and timed rounds.\n",
         (HEAD, [line for r in results for line in rows(r)]),

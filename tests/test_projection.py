@@ -315,12 +315,17 @@ def test_compiles_once_and_runs_in_jit_scan_vmap(monkeypatch):
     assert bool(jnp.all(infos.converged))
 
 
+@pytest.mark.parametrize("in_turn", [True, False], ids=["in_turn", "lockstep"])
 @pytest.mark.parametrize("method", ["dykstra", "laplacian"])
-def test_vmapped_members_are_solved_as_if_alone(method):
+def test_vmapped_members_are_solved_as_if_alone(method, in_turn, monkeypatch):
     """A batch mixing an as-is member, a certified shrink and solver members (one easy,
-    two cut off by max_iter) gives each member its unbatched answer, iterations included:
-    the members that a screen answered or that stopped skip the solver's loops (which
-    only saves time: ``bench_solvers``) without changing anyone's result."""
+    two cut off by max_iter) gives each member its unbatched answer, iterations included,
+    whether the members are solved in turn (the CPU's rule) or as one lockstep batch (an
+    accelerator's, forced here): in the lockstep batch the members that a screen answered
+    or that stopped skip the solver's loops without changing anyone's result. A nested
+    vmap gives the same answers."""
+    monkeypatch.setattr(proj_api, "_in_turn_here", lambda: in_turn)
+    jax.clear_caches()  # the batched jaxprs of the other mode are cached
     v, radii_sq = _instance(21, 7, 4, "uneven")
     sq = np.sum((v[:, None] - v[None]) ** 2, axis=-1)
     members = [
@@ -345,6 +350,12 @@ def test_vmapped_members_are_solved_as_if_alone(method):
     np.testing.assert_array_equal(info_b.iterations[:2], 0)
     np.testing.assert_array_equal(info_b.iterations[3:], cap)
     np.testing.assert_array_equal(info_b.converged, [True, True, True, False, False])
+    pairs = lambda a: a[1:].reshape(2, 2, *a.shape[1:])
+    th_n, info_n = jax.jit(jax.vmap(jax.vmap(solve)))(pairs(vs), pairs(rs))
+    # (members 3 and 4 stop at the cap, where the batch layout's rounding shows: 4e-5)
+    np.testing.assert_allclose(th_n.reshape(th_b[1:].shape), th_b[1:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(info_n.iterations.reshape(-1), info_b.iterations[1:])
+    jax.clear_caches()
 
 
 def test_bad_input_raises():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -245,9 +246,56 @@ def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     return out, info
 
 
+def _in_turn_here() -> bool:
+    """Whether vmapped projections are solved in turn: on the CPU backend."""
+    return jax.default_backend() == "cpu"
+
+
+@functools.cache
+def _members_in_turn(method: str):
+    """:func:`_project_core` for ``method``, which under ``vmap`` on the CPU solves the
+    batch members one after another (``lax.map``) instead of in lockstep.
+
+    A vmapped ``while_loop`` runs its body on every member until the slowest stops, so a
+    batch of projections costs its largest iteration count times the batch; in turn, each
+    member pays its own (``docs/implementation_notes.md``). On accelerators, where the
+    lockstep batch runs in parallel, members stay vmapped. Nested ``vmap``: every level
+    is taken in turn. Results equal the vmapped ones up to float rounding.
+    """
+    core = functools.partial(_project_core, method=method)
+
+    @jax.custom_batching.custom_vmap
+    def solve(x, radii_sq, state, tol, max_iter):
+        return core(x, radii_sq, state, tol, max_iter)
+
+    @solve.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+        leaves, tree = jax.tree.flatten(args)
+        flags = jax.tree.leaves(in_batched)
+        if not _in_turn_here():
+            axes = jax.tree.unflatten(tree, [0 if b else None for b in flags])
+            out = jax.vmap(core, in_axes=tuple(axes))(*args)
+        else:
+
+            def one(member):
+                given = iter(member)
+                full = [next(given) if b else a for a, b in zip(leaves, flags, strict=True)]
+                return solve(*jax.tree.unflatten(tree, full))
+
+            out = jax.lax.map(one, [a for a, b in zip(leaves, flags, strict=True) if b])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return solve
+
+
+def _project_members(x, radii_sq, state, tol, max_iter, *, method):
+    return _members_in_turn(method)(x, radii_sq, state, tol, max_iter)
+
+
 # One compiled program per shape and method (tests wrap _project_core with
 # chex.assert_max_traces and jit it the same way to prove it).
-_project_flat = jax.jit(_project_core, static_argnames=("method",))
+_project_flat = jax.jit(_project_members, static_argnames=("method",))
 
 
 # ------------------------------------------------------------------- public API
@@ -384,10 +432,10 @@ def project(
     The result is always feasible (up to float rounding of the final sums), and
     ``info.delta`` certifies how far its objective is from the optimum.
 
-    Works under ``jit``, ``vmap`` and ``lax.scan`` with traced ``v``, ``radii_sq`` and
-    ``warm_start``; ``method``, ``tol`` and ``max_iter`` are static. Value checks on
-    ``v`` and ``radii_sq`` run only when they are concrete; under tracing a NaN/inf in
-    ``v`` ends the solver at once with ``info.converged = False`` and a NaN ``delta``.
+    Works under ``jit``, ``vmap`` (on the CPU the members are solved in turn) and ``lax.scan``
+    with traced ``v``, ``radii_sq`` and ``warm_start``; ``method``, ``tol`` and ``max_iter``
+    are static. Value checks run only on concrete inputs; under tracing a NaN/inf in ``v``
+    ends the solver at once with ``info.converged = False`` and a NaN ``delta``.
 
     Dtypes: solved in the widest dtype of the personalized leaves, at least float32
     (float16/bfloat16 leaves are promoted, then rounded back, and ``info.max_violation``
