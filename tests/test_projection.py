@@ -315,8 +315,11 @@ def test_compiles_once_and_runs_in_jit_scan_vmap(monkeypatch):
     assert bool(jnp.all(infos.converged))
 
 
-@pytest.mark.parametrize("in_turn", [True, False], ids=["in_turn", "lockstep"])
-@pytest.mark.parametrize("method", ["dykstra", "laplacian"])
+@pytest.mark.parametrize(
+    "method, in_turn",
+    [("dykstra", True), ("laplacian", True), ("laplacian", False)],
+    ids=["dykstra-in_turn", "laplacian-in_turn", "laplacian-lockstep"],
+)
 def test_vmapped_members_are_solved_as_if_alone(method, in_turn, monkeypatch):
     """A batch mixing an as-is member, a certified shrink and solver members (one easy,
     two cut off by max_iter) gives each member its unbatched answer, iterations included,

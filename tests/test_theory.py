@@ -136,12 +136,20 @@ def setting():
     return data, radii_sq, L, eta, f_star
 
 
-def test_theorem_4_3_exact_gradients_every_k(setting):
+@pytest.fixture(scope="module")
+def exact_run(setting):
+    """Iterates, certified deltas and mapping norms ``[seeds, K]`` with exact gradients
+    and projections (shared by the tests that compare against it)."""
     data, radii_sq, L, eta, f_star = setting
     with jax.enable_x64(True):
         theta, deltas, converged = _iterates(data, radii_sq, eta, batch_size=64)
         assert bool(jnp.all(converged))
-        norms = _mapping_norms(data, theta, radii_sq, eta)  # [seeds, K]
+        return theta, deltas, _mapping_norms(data, theta, radii_sq, eta)
+
+
+def test_theorem_4_3_exact_gradients_every_k(setting, exact_run):
+    data, radii_sq, L, eta, f_star = setting
+    theta, deltas, norms = exact_run
     f0 = float(_objective(data, np.zeros((6, 3))))
     gap0 = f0 - f_star
     assert gap0 > 0
@@ -195,7 +203,7 @@ def test_theorem_4_3_floor_grows_with_minibatch_noise(setting):
     assert exact_bound[-1] < bound[-1]
 
 
-def test_theorem_4_3_floor_grows_with_the_projection_error(setting):
+def test_theorem_4_3_floor_grows_with_the_projection_error(setting, exact_run):
     """Projections capped at one iteration: the bound with the measured delta holds at every
     K, delta is not negligible (some projections stop short), and the mapping's floor is
     above the exact-projection run's, as the ``2 delta`` term says."""
@@ -203,8 +211,7 @@ def test_theorem_4_3_floor_grows_with_the_projection_error(setting):
     with jax.enable_x64(True):
         theta, deltas, converged = _iterates(data, radii_sq, eta, batch_size=64, cap=1)
         capped = _mapping_norms(data, theta, radii_sq, eta).mean(0)
-        exact_theta, _, _ = _iterates(data, radii_sq, eta, batch_size=64)
-        exact = _mapping_norms(data, exact_theta, radii_sq, eta).mean(0)
+    exact = exact_run[2].mean(0)
     assert not bool(jnp.all(converged))
     delta = float(np.max(theory.paper_delta(np.asarray(deltas), eta)))
     assert delta > 1e-6
