@@ -278,6 +278,12 @@ def tune(cfg: Config, model, methods) -> tuple[dict, dict, dict]:
     return fixed, chosen, labels | {name: o.chosen_labels[0] for name, o in outcomes.items()}
 
 
+def _short(values) -> str:
+    """A rate or a vector of rates to 4 significant digits (``0.5754``, ``[0.01, 0.1]``)."""
+    flat = [f"{float(x):.4g}" for x in np.ravel(np.asarray(values))]
+    return flat[0] if len(flat) == 1 else "[" + ", ".join(flat) + "]"
+
+
 def _rates_text(cfg: Config) -> str:
     """How the steps were set, for the notes."""
     if cfg.rates == "paper":
@@ -393,7 +399,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
         f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
         f"pixels, {_rates_text(cfg)} (library rates, seed 0: "
-        + ", ".join(f"{k} {np.round(np.asarray(v[0]), 4)}" for k, v in rates.items())
+        + ", ".join(f"{k} {_short(v[0])}" for k, v in rates.items())
         + f"). Karula: t = {t:g} on D ({cfg.norm} norm), output layer personalized (also "
         f"in the penalty and FedPer); the FedAvg family: {cfg.local_steps} local "
         f"steps; IFCA: {cfg.ifca_clusters} independently initialized clusters, in use at the "
