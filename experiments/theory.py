@@ -229,22 +229,24 @@ def run(cfg: TheoryConfig, out, command: str) -> list[dict]:
 
 
 def _plot_floors(rows: list[dict], out) -> None:
-    """``floor.png``: per sweep, the measured floor against the bound's floor (log-log,
-    the bound's floor on both axes as the line the measured one must stay under)."""
-    panels = {}
-    for sweep, key in (("minibatch", "minibatch"), ("capped projection", "capped")):
-        got = sorted((r["floor"], r["observed_floor"]) for r in rows if key in r["setting"])
-        if len(got) > 1:
-            x = np.array([g[0] for g in got])
-            panels[sweep] = (x, {"measured floor": np.array([g[1] for g in got]), "bound": x})
-    for sweep, (x, lines) in panels.items():
-        reporting.plot_lines(
-            x,
-            {sweep: lines},
-            out / f"floor_{sweep.split()[-1]}.png",
-            xlabel="bound's floor (8L/3)(4 sigma^2 (s+1)/s + 2 delta)",
-            ylabel="mean E||G||^2, last quarter of rounds",
+    """``floor_minibatch.png`` and ``floor_projection.png``: per sweep of two settings or
+    more, the measured floor against the bound's floor (log-log, the bound's floor on both
+    axes as the line the measured one must stay under)."""
+    for name, key, title in (
+        ("minibatch", "minibatch", "minibatch"),
+        ("projection", "capped", "capped projection"),
+    ):
+        got = np.array(
+            sorted((r["floor"], r["observed_floor"]) for r in rows if key in r["setting"])
         )
+        if len(got) > 1:
+            reporting.plot_lines(
+                got[:, 0],
+                {title: {"measured floor": got[:, 1], "bound": got[:, 0]}},
+                out / f"floor_{name}.png",
+                xlabel="bound's floor (8L/3)(4 sigma^2 (s+1)/s + 2 delta)",
+                ylabel="mean E||G||^2, last quarter of rounds",
+            )
 
 
 def main(argv=None):

@@ -2,6 +2,8 @@
 
 import csv
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -58,9 +60,6 @@ def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
     # Each committed configuration builds every method at every grid point (the penalty's
     # mu / L_f once divided by Karula's step, which the "default" mode leaves to Karula's
     # own coupled rule: None). Building traces nothing, so this is cheap.
-    import jax
-    import jax.numpy as jnp
-
     cfg = femnist.Config(rates=rates, seeds=1)
     _, loss, _, params0, personal = femnist._setup(cfg)
     methods = femnist.make_methods(cfg, loss, personal)

@@ -63,9 +63,9 @@ def _cvxpy_optimum(data, radii_sq) -> float:
     return float(problem_.value)
 
 
-def _iterates(data, radii_sq, eta, batch_size, *, seeds=SEEDS, rounds=ROUNDS, cap=20000):
+def _iterates(data, radii_sq, eta, batch_size, *, seeds=SEEDS, rounds=ROUNDS, cap=None):
     """Karula's iterates theta^0 .. theta^{K-1}, ``[seeds, K, n, p]`` float64; the
-    projection certified to 1e-12, or to 1e-3 within ``cap`` iterations when capped."""
+    projection certified to 1e-12 (``cap=None``), or to 1e-3 within ``cap`` iterations."""
     alg = karula(
         LOSS,
         jnp.asarray(radii_sq),
@@ -73,8 +73,8 @@ def _iterates(data, radii_sq, eta, batch_size, *, seeds=SEEDS, rounds=ROUNDS, ca
         learning_rate=eta,
         clients_per_round=S,
         batch_size=batch_size,
-        projection_tol=1e-12 if cap == 20000 else 1e-3,
-        projection_max_iter=cap,
+        projection_tol=1e-12 if cap is None else 1e-3,
+        projection_max_iter=20000 if cap is None else cap,
     )
     p0 = jnp.zeros(data.x.shape[-1], jnp.float64)
 
