@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["eigh", "eigvalsh", "inv_dominant", "qr_q"]
+__all__ = ["eigh", "eigvalsh", "inv_dominant", "inv_spd_dominant", "qr_q"]
 
 
 def _unbatched_on_cpu(fn):
@@ -119,6 +119,33 @@ def _gauss_jordan_blocked(a):
         return jax.lax.dynamic_update_slice(out, pivot_inv, (k0, k0))
 
     return jax.lax.fori_loop(0, blocks, step, a)[:n, :n]
+
+
+def _cholesky_inverse(a):
+    """Inverse of one symmetric positive definite ``[n, n]`` matrix by its Cholesky factor."""
+    factor = jax.scipy.linalg.cho_factor(a, lower=True)
+    return jax.scipy.linalg.cho_solve(factor, jnp.eye(a.shape[-1], dtype=a.dtype))
+
+
+def inv_spd_dominant(a):
+    """Inverse of ``[..., n, n]`` matrices that are symmetric and strictly diagonally
+    dominant with a positive diagonal (so positive definite), as ``M + L_lambda`` is.
+
+    On the CPU the same Gauss-Jordan elimination as :func:`inv_dominant`. Other platforms:
+    Cholesky factor and two triangular solves, which on a GPU cost about half of
+    ``jnp.linalg.inv``'s pivoted LU on such small matrices (``results/bench/README.md``).
+    Neither symmetry nor dominance is checked.
+    """
+    a = jnp.asarray(a)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
+    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
+    out = jax.lax.platform_dependent(
+        flat,
+        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
+        default=jax.vmap(_cholesky_inverse),
+    )
+    return jnp.reshape(out, a.shape)
 
 
 def inv_dominant(a):

@@ -101,6 +101,24 @@ def test_inv_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
     )
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 30, 101])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_inv_spd_dominant_on_every_platform_path(n, dtype):
+    """The CPU's Gauss-Jordan and the accelerators' Cholesky inverse (called directly
+    here: this machine lowers only the CPU branch) against numpy in float64."""
+    a = _dominant((3, n, n), seed=n).astype(dtype)
+    ref = np.linalg.inv(a.astype(np.float64))
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+    with jax.enable_x64(dtype == np.float64):
+        np.testing.assert_allclose(_linalg.inv_spd_dominant(a), ref, **tol)
+        cholesky = jax.jit(jax.vmap(_linalg._cholesky_inverse))(jnp.asarray(a))
+        assert cholesky.dtype == dtype
+        np.testing.assert_allclose(cholesky, ref, **tol)
+        np.testing.assert_allclose(jax.vmap(_linalg.inv_spd_dominant)(a), ref, **tol)
+    with pytest.raises(ValueError, match="square"):
+        _linalg.inv_spd_dominant(jnp.ones((3, 4)))
+
+
 def test_inv_dominant_calls_no_lapack_and_checks_its_shape():
     a = _dominant((4, 30, 30))
     txt = jax.jit(jax.vmap(_linalg.inv_dominant)).lower(a).compile().as_text()

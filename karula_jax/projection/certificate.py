@@ -31,15 +31,15 @@ def dual_eval(lam, red, *, gram, certify=False):
     """theta(lam), g(lam), its gradient and the inverse of M + L_lam.
 
     An explicit inverse followed by matrix products; ``M + L_lam`` is strictly diagonally
-    dominant (``M >= 1``), so :func:`karula_jax._linalg.inv_dominant` applies (on the CPU
-    plain array operations that vmap as a batch, no LAPACK). Its rounding is covered by the
-    residual term below. ``gram``: squared distances from the Gram matrix (one product;
-    rounding up to ``eps (|theta_i|^2 + |theta_j|^2)``) instead of explicit differences
-    (``O(n^2 k)`` work and memory).
+    dominant (``M >= 1``) and symmetric, so :func:`karula_jax._linalg.inv_spd_dominant`
+    applies (on the CPU plain array operations that vmap as a batch, no LAPACK). Its
+    rounding is covered by the residual term below. ``gram``: squared distances from the
+    Gram matrix (one product; rounding up to ``eps (|theta_i|^2 + |theta_j|^2)``) instead
+    of explicit differences (``O(n^2 k)`` work and memory).
     """
     mask = dual_mask(red)
     a = _system(lam, red)
-    a_inv = _linalg.inv_dominant(a)
+    a_inv = _linalg.inv_spd_dominant(a)
     a_inv = 0.5 * (a_inv + a_inv.T)
     rhs = red.mass[:, None] * red.w
     th = a_inv @ rhs
