@@ -187,10 +187,14 @@ def run(cfg: TheoryConfig, out, command: str) -> list[dict]:
             )
     out.mkdir(parents=True, exist_ok=True)
     _plot_floors(rows, out)
-    main_curves = [n for n in curves if "B = 2" in n or "capped at 2" in n or "exact" in n]
+    # bound.png: the exact run and the lower middle of each sweep (B = 2 and cap 2 by default)
+    middle = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731
+    shown = ["exact gradients, exact projections"]
+    shown += [f"minibatch B = {middle(cfg.minibatches)}"] if cfg.minibatches else []
+    shown += [f"projection capped at {middle(cfg.inexact_caps)}"] if cfg.inexact_caps else []
     reporting.plot_lines(
         K,
-        {name: curves[name] for name in main_curves},
+        {name: curves[name] for name in shown},
         out / "bound.png",
         xlabel="K (rounds)",
         ylabel="min_{k<K} E||G_eta(theta^k)||^2",
