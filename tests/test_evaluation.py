@@ -238,3 +238,29 @@ def test_ridge_solutions_match_augmented_least_squares():
     x_all, y_all = (np.concatenate(v).astype(np.float64) for v in (xs, ys))
     want = lstsq(x_all, y_all, np.mean([len(x) for x in xs]), n * lam)
     np.testing.assert_allclose(pooled, want, rtol=1e-8, atol=1e-10)
+
+
+def test_flattened_accepts_a_plateau_and_refuses_slopes_swings_rises_and_nans():
+    rounds = np.arange(0, 501, 25)
+    r = rounds / 500.0
+    curves = {
+        "plateau": 0.1 + 2.2 * np.exp(-25 * r),  # flat long before the last fifth
+        "still falling": 2.3 - 2.0 * r,  # a straight line: 20% of its decrease at the end
+        "slow tail": 0.1 + 2.2 * np.exp(-3 * r),  # 4.5% of the decrease in the last fifth
+        "oscillating": 0.1 + 2.2 * np.exp(-25 * r) + 0.2 * (r > 0.8) * np.cos(40 * r),
+        "rising": 2.3 - 2.0 * np.minimum(r, 0.5) + 0.5 * np.maximum(r - 0.5, 0),
+        "nan": np.where(r > 0.9, np.nan, 2.3 - 2.0 * r),
+        "never fell": np.full(r.shape, 2.3),
+    }
+    got = ev.flattened(np.stack(list(curves.values())), rounds)
+    assert got.tolist() == [True] + [False] * 6, dict(zip(curves, got, strict=True))
+    # the share decides the slow tail: 4.5% of the decrease passes at 5%, not at 2%
+    assert bool(ev.flattened(curves["slow tail"], rounds, share=0.05))
+    # the window: the line moves 20% of its decrease over the last fifth, 5% over the last 20th
+    assert not ev.flattened(curves["still falling"], rounds, last=0.05, share=0.04)
+    assert ev.flattened(curves["still falling"], rounds, last=0.05, share=0.06)
+    for bad in (dict(last=0.0), dict(last=1.0), dict(share=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ev.flattened(curves["plateau"], rounds, **bad)
+    with pytest.raises(ValueError, match="rounds"):
+        ev.flattened(curves["plateau"], rounds[:-1])
