@@ -218,7 +218,8 @@ def grid_edge(index, grid_size: int, *, natural=()) -> np.ndarray:
 def flattened(curve, rounds, *, last: float = 0.2, share: float = 0.02) -> np.ndarray:
     """Whether training-loss curves have flattened by their last round.
 
-    The criterion: over the last ``last`` share of the rounds, the loss stays within
+    The criterion: over the last ``last`` share of the rounds (from the last evaluation at
+    or before its start), the loss stays within
     ``share`` of its total decrease (first evaluation minus last) of its final value. A
     curve still falling, oscillating or rising there fails it, as does one that never
     decreased or is not finite.
@@ -242,7 +243,10 @@ def flattened(curve, rounds, *, last: float = 0.2, share: float = 0.02) -> np.nd
         raise ValueError(f"last: expected a share in (0, 1), got {last}")
     if not share > 0.0:
         raise ValueError(f"share: expected a positive share, got {share}")
-    start = int(np.searchsorted(rounds, rounds[-1] - last * (rounds[-1] - rounds[0])))
+    # the window starts at the last evaluation at or before its first round, so that it
+    # holds two evaluations at least, however coarse the evaluation grid
+    first = rounds[-1] - last * (rounds[-1] - rounds[0])
+    start = max(int(np.searchsorted(rounds, first, side="right")) - 1, 0)
     final = curve[..., -1:]
     moved = np.max(np.abs(curve[..., start:] - final), axis=-1)
     total = curve[..., 0] - curve[..., -1]

@@ -11,7 +11,8 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # XLA:CPU compilation is most of the suite's time: the tests compile with LLVM's
-# optimization level 0 instead of XLA's default (the same float semantics, no fast math;
+# optimization level 0 instead of XLA's default (no fast math, but not bit-identical to the
+# default level: no contraction of multiply-adds; the tests compare programs compiled alike;
 # the test programs are small, so slower code costs less than the compile time saved:
 # measured in alternating runs of three heavy test files, 100-104 s against 139-142 s at
 # level 1, which had itself saved 10% against the default).

@@ -246,7 +246,7 @@ def test_flattened_accepts_a_plateau_and_refuses_slopes_swings_rises_and_nans():
     curves = {
         "plateau": 0.1 + 2.2 * np.exp(-25 * r),  # flat long before the last fifth
         "still falling": 2.3 - 2.0 * r,  # a straight line: 20% of its decrease at the end
-        "slow tail": 0.1 + 2.2 * np.exp(-3 * r),  # 4.5% of the decrease in the last fifth
+        "slow tail": 0.1 + 2.2 * np.exp(-3 * r),  # 4.3% of the decrease in the last fifth
         "oscillating": 0.1 + 2.2 * np.exp(-25 * r) + 0.2 * (r > 0.8) * np.cos(40 * r),
         "rising": 2.3 - 2.0 * np.minimum(r, 0.5) + 0.5 * np.maximum(r - 0.5, 0),
         "nan": np.where(r > 0.9, np.nan, 2.3 - 2.0 * r),
@@ -254,11 +254,16 @@ def test_flattened_accepts_a_plateau_and_refuses_slopes_swings_rises_and_nans():
     }
     got = ev.flattened(np.stack(list(curves.values())), rounds)
     assert got.tolist() == [True] + [False] * 6, dict(zip(curves, got, strict=True))
-    # the share decides the slow tail: 4.5% of the decrease passes at 5%, not at 2%
+    # the share decides the slow tail: 4.3% of the decrease passes at 5%, not at 2%
     assert bool(ev.flattened(curves["slow tail"], rounds, share=0.05))
     # the window: the line moves 20% of its decrease over the last fifth, 5% over the last 20th
     assert not ev.flattened(curves["still falling"], rounds, last=0.05, share=0.04)
     assert ev.flattened(curves["still falling"], rounds, last=0.05, share=0.06)
+    # coarse evaluation grids: the window still spans two evaluations at least
+    assert not ev.flattened([2.3, 0.3], [0, 500])
+    assert not ev.flattened([2.3, 1.3, 0.3], [0, 5, 10])
+    assert not ev.flattened([2.3, 1.8, 1.3, 0.8, 0.3], [0, 100, 200, 300, 400])
+    assert ev.flattened([2.3, 0.31, 0.3], [0, 5, 10], share=0.01)
     for bad in (dict(last=0.0), dict(last=1.0), dict(share=0.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ev.flattened(curves["plateau"], rounds, **bad)

@@ -119,6 +119,19 @@ def test_inv_spd_dominant_on_every_platform_path(n, dtype):
         _linalg.inv_spd_dominant(jnp.ones((3, 4)))
 
 
+def test_inv_spd_dominant_lowers_to_cholesky_on_gpus_and_no_lapack_on_cpus():
+    """Which inverse each platform compiles: exported for CUDA (no GPU needed), the
+    Cholesky factorization and no LU; compiled here on the CPU (batched under vmap, as
+    the projection's members are), no LAPACK call at all (see the module docstring)."""
+    a = jnp.asarray(_dominant((4, 30, 30)))
+    gpu = jax.export.export(jax.jit(_linalg.inv_spd_dominant), platforms=["cuda"])(a[0])
+    text = gpu.mlir_module()
+    assert "cusolver_potrf" in text and "getrf" not in text
+    if jax.default_backend() == "cpu":
+        txt = jax.jit(jax.vmap(_linalg.inv_spd_dominant)).lower(a).compile().as_text()
+        assert not _lapack_lines(txt)
+
+
 def test_inv_dominant_calls_no_lapack_and_checks_its_shape():
     a = _dominant((4, 30, 30))
     txt = jax.jit(jax.vmap(_linalg.inv_dominant)).lower(a).compile().as_text()
