@@ -121,6 +121,21 @@ def _gauss_jordan_blocked(a):
     return jax.lax.fori_loop(0, blocks, step, a)[:n, :n]
 
 
+def _gauss_jordan_on_cpu(a, default):
+    """Inverses of ``[..., n, n]`` matrices: Gauss-Jordan on the CPU, ``default`` (a
+    function of a ``[B, n, n]`` batch) on other platforms."""
+    a = jnp.asarray(a)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
+    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
+    out = jax.lax.platform_dependent(
+        flat,
+        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
+        default=default,
+    )
+    return jnp.reshape(out, a.shape)
+
+
 def _cholesky_inverse(a):
     """Inverse of one symmetric positive definite ``[n, n]`` matrix by its Cholesky factor."""
     factor = jax.scipy.linalg.cho_factor(a, lower=True)
@@ -137,16 +152,7 @@ def inv_spd_dominant(a):
     n = 300 to 30 (``results/bench/README.md``). float32 or float64; neither symmetry nor
     dominance is checked.
     """
-    a = jnp.asarray(a)
-    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
-        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
-    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
-    out = jax.lax.platform_dependent(
-        flat,
-        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
-        default=jax.vmap(_cholesky_inverse),
-    )
-    return jnp.reshape(out, a.shape)
+    return _gauss_jordan_on_cpu(a, jax.vmap(_cholesky_inverse))
 
 
 def inv_dominant(a):
@@ -160,13 +166,4 @@ def inv_dominant(a):
     (``M + L_lambda`` of the projection, a positive diagonal plus a graph Laplacian, is
     one.) Other platforms: ``jnp.linalg.inv``. The input's dominance is not checked.
     """
-    a = jnp.asarray(a)
-    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
-        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
-    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
-    out = jax.lax.platform_dependent(
-        flat,
-        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
-        default=jnp.linalg.inv,
-    )
-    return jnp.reshape(out, a.shape)
+    return _gauss_jordan_on_cpu(a, jnp.linalg.inv)
