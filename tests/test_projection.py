@@ -501,11 +501,12 @@ def test_shrink_toward_the_mean_is_certified(n, p):
                 assert gap <= float(info.delta) + 1e-9 * scale, case
 
 
-@pytest.mark.parametrize("n, p, tol_d", [(100, 4, 1e-5), (60, 130, 1e-9)])
+@pytest.mark.parametrize("n, p, tol_d", [(100, 4, 1e-5), (60, 130, 1e-7)])
 def test_large_n_auto_matches_dykstra(n, p, tol_d):
     """Many clients: "auto" (the Laplacian dual after screening; rotated when p >= 2n)
     against the pair-copy Dykstra on the same instance, both certified in float64
-    (Dykstra to 1e-5 only at n = 100: at n = 150, 1e-9 takes it over 20,000 sweeps)."""
+    (Dykstra to 1e-5 at n = 100 and 1e-7 at n = 60, for time: at n = 150, 1e-9 takes it
+    over 20,000 sweeps; "auto" to 1e-9 in both)."""
     assert proj.choose_method(n, p) == "laplacian"
     v, radii_sq = _instance(12, n, p, "uneven")
     radii_sq *= np.median(((v[:, None] - v[None]) ** 2).sum(-1)) / 10.0
