@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["eigh", "eigvalsh", "inv_dominant", "inv_spd_dominant", "qr_q"]
+__all__ = ["eigh", "eigvalsh", "inv_spd_dominant", "qr_q"]
 
 
 def _unbatched_on_cpu(fn):
@@ -121,21 +121,6 @@ def _gauss_jordan_blocked(a):
     return jax.lax.fori_loop(0, blocks, step, a)[:n, :n]
 
 
-def _gauss_jordan_on_cpu(a, default):
-    """Inverses of ``[..., n, n]`` matrices: Gauss-Jordan on the CPU, ``default`` (a
-    function of a ``[B, n, n]`` batch) on other platforms."""
-    a = jnp.asarray(a)
-    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
-        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
-    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
-    out = jax.lax.platform_dependent(
-        flat,
-        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
-        default=default,
-    )
-    return jnp.reshape(out, a.shape)
-
-
 def _cholesky_inverse(a):
     """Inverse of one symmetric positive definite ``[n, n]`` matrix by its Cholesky factor."""
     factor = jax.scipy.linalg.cho_factor(a, lower=True)
@@ -146,24 +131,23 @@ def inv_spd_dominant(a):
     """Inverse of ``[..., n, n]`` matrices that are symmetric and strictly diagonally
     dominant with a positive diagonal (so positive definite), as ``M + L_lambda`` is.
 
-    On the CPU the same Gauss-Jordan elimination as :func:`inv_dominant` (the whole matrix
-    is read). Other platforms: Cholesky factor and two triangular solves, which read the
-    lower triangle only and on a GPU cost 0.45-0.85x ``jnp.linalg.inv``'s pivoted LU at
+    On the CPU: Gauss-Jordan elimination without pivoting in plain XLA operations (``n``
+    rank-one updates, by blocks of pivots above ``_BLOCK`` rows; the whole matrix is read),
+    which batches under ``vmap`` as array operations and calls neither LAPACK nor XLA's
+    thread pool. Without pivoting it is stable exactly for strictly diagonally dominant
+    matrices: every Schur complement of one is strictly diagonally dominant again, so no
+    pivot is small. Other platforms: Cholesky factor and two triangular solves, which read
+    the lower triangle only and on a GPU cost 0.45-0.85x ``jnp.linalg.inv``'s pivoted LU at
     n = 300 to 30 (``results/bench/README.md``). float32 or float64; neither symmetry nor
     dominance is checked.
     """
-    return _gauss_jordan_on_cpu(a, jax.vmap(_cholesky_inverse))
-
-
-def inv_dominant(a):
-    """Inverse of ``[..., n, n]`` matrices that are strictly diagonally dominant by rows.
-
-    On the CPU: Gauss-Jordan elimination without pivoting in plain XLA operations (``n``
-    rank-one updates, by blocks of pivots above ``_BLOCK`` rows), which batches under
-    ``vmap`` as array operations and calls neither LAPACK nor XLA's thread pool. Without
-    pivoting it is stable exactly for such matrices: every Schur complement of a strictly
-    diagonally dominant matrix is strictly diagonally dominant again, so no pivot is small.
-    (``M + L_lambda`` of the projection, a positive diagonal plus a graph Laplacian, is
-    one.) Other platforms: ``jnp.linalg.inv``. The input's dominance is not checked.
-    """
-    return _gauss_jordan_on_cpu(a, jnp.linalg.inv)
+    a = jnp.asarray(a)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
+    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
+    out = jax.lax.platform_dependent(
+        flat,
+        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
+        default=jax.vmap(_cholesky_inverse),
+    )
+    return jnp.reshape(out, a.shape)

@@ -87,18 +87,20 @@ def _dominant(shape, seed=0):
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 30, 49, 96, 101])
-def test_inv_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
+def test_inv_spd_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
     a = _dominant((2, 3, n, n), seed=n)
     ref = np.linalg.inv(a.astype(np.float64))
     tol = dict(rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(_linalg.inv_dominant(a[0, 0]), ref[0, 0], **tol)
-    np.testing.assert_allclose(_linalg.inv_dominant(a), ref, **tol)
-    np.testing.assert_allclose(jax.jit(jax.vmap(jax.vmap(_linalg.inv_dominant)))(a), ref, **tol)
-    # a non-symmetric, row-dominant matrix too (no symmetry is assumed)
-    b = a[0, 0] + np.triu(np.full((n, n), 0.1 / n, np.float32), 1)
-    np.testing.assert_allclose(
-        _linalg.inv_dominant(b), np.linalg.inv(b.astype(np.float64)), rtol=1e-4, atol=1e-6
-    )
+    np.testing.assert_allclose(_linalg.inv_spd_dominant(a[0, 0]), ref[0, 0], **tol)
+    np.testing.assert_allclose(_linalg.inv_spd_dominant(a), ref, **tol)
+    inv = jax.jit(jax.vmap(jax.vmap(_linalg.inv_spd_dominant)))
+    np.testing.assert_allclose(inv(a), ref, **tol)
+    if jax.default_backend() == "cpu":
+        # the CPU's elimination reads the whole matrix: a non-symmetric, row-dominant one too
+        b = a[0, 0] + np.triu(np.full((n, n), 0.1 / n, np.float32), 1)
+        np.testing.assert_allclose(
+            _linalg.inv_spd_dominant(b), np.linalg.inv(b.astype(np.float64)), rtol=1e-4, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 30, 101])
@@ -115,11 +117,9 @@ def test_inv_spd_dominant_on_every_platform_path(n, dtype):
         assert cholesky.dtype == dtype
         np.testing.assert_allclose(cholesky, ref, **tol)
         np.testing.assert_allclose(jax.vmap(_linalg.inv_spd_dominant)(a), ref, **tol)
-    with pytest.raises(ValueError, match="square"):
-        _linalg.inv_spd_dominant(jnp.ones((3, 4)))
 
 
-def test_inv_spd_dominant_lowers_to_cholesky_on_gpus_and_no_lapack_on_cpus():
+def test_inv_spd_dominant_lowers_to_cholesky_on_gpus_no_lapack_on_cpus_checks_its_shape():
     """Which inverse each platform compiles: exported for CUDA (no GPU needed), the
     Cholesky factorization and no LU; compiled here on the CPU (batched under vmap, as
     the projection's members are), no LAPACK call at all (see the module docstring)."""
@@ -130,12 +130,5 @@ def test_inv_spd_dominant_lowers_to_cholesky_on_gpus_and_no_lapack_on_cpus():
     if jax.default_backend() == "cpu":
         txt = jax.jit(jax.vmap(_linalg.inv_spd_dominant)).lower(a).compile().as_text()
         assert not _lapack_lines(txt)
-
-
-def test_inv_dominant_calls_no_lapack_and_checks_its_shape():
-    a = _dominant((4, 30, 30))
-    txt = jax.jit(jax.vmap(_linalg.inv_dominant)).lower(a).compile().as_text()
-    if jax.default_backend() == "cpu":
-        assert not _lapack_lines(txt)
     with pytest.raises(ValueError, match="square"):
-        _linalg.inv_dominant(jnp.ones((3, 4)))
+        _linalg.inv_spd_dominant(jnp.ones((3, 4)))
