@@ -372,7 +372,7 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         leaves = [a.reshape(a.shape[:2] + (-1,)) for a in leaves]
         ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
     rounds = np.asarray(outcomes["Karula"].rounds)
-    late = int(np.searchsorted(rounds, 0.8 * cfg.rounds))  # the last fifth of the rounds
+    late = ev.tail_start(rounds)  # the last fifth of the rounds, as ``flattened`` reads it
     loss_curve = lambda name: outcomes[name].curves["train_loss"]  # [S, T]
     values = {
         name: {

@@ -45,6 +45,7 @@ __all__ = [
     "ridge_solutions",
     "select_by_cv",
     "spearman_offdiag",
+    "tail_start",
 ]
 
 ApplyFn = Callable[[Any, jnp.ndarray], jnp.ndarray]
@@ -215,12 +216,26 @@ def grid_edge(index, grid_size: int, *, natural=()) -> np.ndarray:
     return np.isin(index, sorted(edges))
 
 
+def tail_start(rounds, last: float = 0.2) -> int:
+    """Index of the evaluation where the last ``last`` share of the rounds begins: the last
+    evaluation at or before round ``R_end - last (R_end - R_0)``, so that the tail holds two
+    evaluations at least, however coarse the evaluation grid. ``rounds`` ``[T]``
+    increasing, ``T >= 2``; ``last`` in ``(0, 1)``."""
+    rounds = np.asarray(rounds, np.float64)
+    if rounds.ndim != 1 or rounds.size < 2:
+        raise ValueError(f"rounds: expected [T] with T >= 2, got shape {rounds.shape}")
+    if not 0.0 < last < 1.0:
+        raise ValueError(f"last: expected a share in (0, 1), got {last}")
+    first = rounds[-1] - last * (rounds[-1] - rounds[0])
+    return max(int(np.searchsorted(rounds, first, side="right")) - 1, 0)
+
+
 def flattened(curve, rounds, *, last: float = 0.2, share: float = 0.02) -> np.ndarray:
     """Whether training-loss curves have flattened by their last round.
 
-    The criterion: over the last ``last`` share of the rounds (from the last evaluation at
-    or before its start), the loss stays within
-    ``share`` of its total decrease (first evaluation minus last) of its final value. A
+    The criterion: over the last ``last`` share of the rounds (from :func:`tail_start`),
+    the loss stays within ``share`` of its total decrease (first evaluation minus last) of
+    its final value. A
     curve still falling, oscillating or rising there fails it, as does one that never
     decreased or is not finite.
 
@@ -239,14 +254,9 @@ def flattened(curve, rounds, *, last: float = 0.2, share: float = 0.02) -> np.nd
             f"curve [..., T] and rounds [T] with T >= 2 expected, got {curve.shape} and "
             f"{rounds.shape}"
         )
-    if not 0.0 < last < 1.0:
-        raise ValueError(f"last: expected a share in (0, 1), got {last}")
     if not share > 0.0:
         raise ValueError(f"share: expected a positive share, got {share}")
-    # the window starts at the last evaluation at or before its first round, so that it
-    # holds two evaluations at least, however coarse the evaluation grid
-    first = rounds[-1] - last * (rounds[-1] - rounds[0])
-    start = max(int(np.searchsorted(rounds, first, side="right")) - 1, 0)
+    start = tail_start(rounds, last)
     final = curve[..., -1:]
     moved = np.max(np.abs(curve[..., start:] - final), axis=-1)
     total = curve[..., 0] - curve[..., -1]

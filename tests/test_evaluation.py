@@ -269,3 +269,5 @@ def test_flattened_accepts_a_plateau_and_refuses_slopes_swings_rises_and_nans():
             ev.flattened(curves["plateau"], rounds, **bad)
     with pytest.raises(ValueError, match="rounds"):
         ev.flattened(curves["plateau"], rounds[:-1])
+    # the tail both read: round 400 of 0..500 by 25; the middle of a grid of three
+    assert ev.tail_start(rounds) == 16 and ev.tail_start([0, 5, 10]) == 1
