@@ -37,6 +37,7 @@ __all__ = [
     "flattened",
     "fold_ids",
     "grid_edge",
+    "grid_plateau",
     "kfold_split",
     "log_loss",
     "mean_squared_error",
@@ -214,6 +215,44 @@ def grid_edge(index, grid_size: int, *, natural=()) -> np.ndarray:
     natural = {int(i) % grid_size for i in natural}
     edges = {0, grid_size - 1} - natural
     return np.isin(index, sorted(edges))
+
+
+# Relative change of the CV score between a grid's end and its neighbour below which a
+# choice at that end is on a plateau (:func:`grid_plateau`).
+PLATEAU_RTOL = 1e-4
+
+
+def grid_plateau(index, score, *, rtol: float = PLATEAU_RTOL) -> np.ndarray:
+    """Whether a CV choice at an end of an ordered grid sits on a plateau of the score.
+
+    The choice is the first or last point, and its score differs from its neighbour's by
+    at most ``rtol`` times its own magnitude: toward that end the score has stopped
+    moving, so a wider grid cannot change the choice by more than that (a limit the
+    method reaches numerically, such as pFedMe's ``lambda -> 0`` under its envelope step
+    rule: ``results/synthetic/README.md``). A grid of one point has no plateau; a
+    non-finite score never makes one.
+
+    Args:
+      index: chosen grid indices ``[S]``.
+      score: CV scores ``[S, G]`` of the ``G`` ordered grid points.
+      rtol: the relative change, ``>= 0``.
+
+    Returns:
+      bool ``[S]``.
+    """
+    index, score = np.asarray(index), np.asarray(score, np.float64)
+    if score.ndim != 2 or score.shape[0] != index.shape[0]:
+        raise ValueError(f"score: expected [S, G] with S = {index.shape[0]}, got {score.shape}")
+    G = score.shape[1]
+    if G < 2:
+        return np.zeros(index.shape, bool)
+    if not rtol >= 0:
+        raise ValueError(f"rtol: expected a nonnegative number, got {rtol}")
+    rows = np.arange(index.shape[0])
+    neighbour = np.where(index == 0, 1, G - 2)
+    own, other = score[rows, index], score[rows, neighbour]
+    close = np.abs(own - other) <= rtol * np.abs(own)
+    return ((index == 0) | (index == G - 1)) & np.isfinite(own) & np.isfinite(other) & close
 
 
 def tail_start(rounds, last: float = 0.2) -> int:

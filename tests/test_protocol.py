@@ -107,6 +107,55 @@ def test_method_points_cross_static_and_traced_grids():
     assert m.labels() == ["k=2", "k=5"] and [p["k"] for p in m.points()] == [0, 1]
 
 
+def test_grid_plateau_against_hand_cases():
+    """An end choice is on a plateau exactly when its score is within rtol of its
+    neighbour's: interior choices, moving scores, non-finite neighbours and one-point
+    grids are not."""
+    # pFedMe-like: the score falls toward lambda -> 0 by a factor 10 less per decade
+    limit = 3.4335
+    score = limit * (1 + 7e-5 * np.logspace(-2, 2, 5))  # [G] at lambda = 1e-6 ... 1e-2
+    rows = np.stack([score, score, score[::-1], np.r_[1.0, 2.0, 3.0, 4.0, 5.0], score])
+    rows[4, 1] = np.inf
+    got = ev.grid_plateau([0, 2, 4, 0, 0], rows)
+    np.testing.assert_array_equal(got, [True, False, True, False, False])
+    # exactly rtol apart: a plateau; just over it: not
+    edge = np.array([[1.0, 1.0 + 1e-4, 2.0]])
+    assert ev.grid_plateau([0], edge, rtol=1e-4).all()
+    assert not ev.grid_plateau([0], edge, rtol=0.9e-4).any()
+    assert not ev.grid_plateau([0], np.array([[1.0]])).any()
+    with pytest.raises(ValueError, match="score"):
+        ev.grid_plateau([0, 1], np.ones((3, 4)))
+    with pytest.raises(ValueError, match="rtol"):
+        ev.grid_plateau([0], np.ones((1, 4)), rtol=-1.0)
+
+
+def test_cv_reports_a_plateau_instead_of_an_edge():
+    """``_choose``: a one-axis grid's end choice whose score has stopped moving is a
+    plateau, not an edge; a crossed grid is never a plateau; the labels say which."""
+    from karula_jax.protocol import cv as cv_module  # noqa: PLC0415
+
+    method = Method(lambda **_: None, **scalar_grid("lam", [1e-6, 1e-5, 1e-4, 1.0]))
+    finite = np.ones((2, 2, 4), bool)  # [S, K, G]
+    val = {
+        "finite": finite,
+        "s": np.stack([[[1.0, 1.0 + 1e-6, 1.1, 2.0]] * 2, [[2.0, 1.5, 1.2, 1.0]] * 2]),
+    }
+    chosen, _, edge, plateau = cv_module._choose(method, val, lambda v: v["s"], None, False, 2)
+    np.testing.assert_array_equal(chosen, [0, 3])
+    np.testing.assert_array_equal(edge, [False, True])
+    np.testing.assert_array_equal(plateau, [True, False])
+    fields = dict(metrics={}, grid_metrics={}, chosen=chosen, labels=method.labels())
+    fields |= dict(cv_score=None, finite=np.ones(2, bool), edge=edge, seconds=0.0)
+    fields |= dict(diagnostics="", curves={}, rounds=np.zeros(1), plateau=plateau)
+    labels = cv_module.CVOutcome(**fields).chosen_labels
+    assert labels == ["lam=1e-06 [plateau]", "lam=1 [edge]"]
+    crossed = cross_choice(method, "rate", ["x1", "x3"], ordered=2)
+    val8 = {"finite": np.ones((2, 2, 8), bool), "s": np.tile(np.arange(8.0)[::-1], (2, 2, 1))}
+    val8["s"][..., 6:] = 0.0  # the last two points tie: a plateau only along the index
+    _, _, edge, plateau = cv_module._choose(crossed, val8, lambda v: v["s"], None, False, 2)
+    assert not plateau.any()
+
+
 def test_grid_edges_are_flagged_unless_natural_limits():
     """A CV choice at an end of its grid is flagged, except where the method has nothing
     beyond that end (t = 0 or inf, one cluster); one-point grids have no edge."""

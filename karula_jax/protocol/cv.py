@@ -52,7 +52,8 @@ class CVOutcome(NamedTuple):
       cv_score: cross-validated score ``[S, G]`` (None without a grid).
       finite: whether the chosen final fit stayed finite, ``[S]``.
       edge: whether the choice is an edge of the grid that is not a natural limit
-        (:func:`karula_jax.evaluation.grid_edge`), ``[S]`` bool: the grid is too narrow.
+        (:func:`karula_jax.evaluation.grid_edge`) nor a plateau, ``[S]`` bool: the grid
+        is too narrow.
       seconds: wall clock of the method's runs, compilation included.
       diagnostics: the projection's report (:func:`karula_jax.training.describe_diagnostics`)
         when a run had an inexact projection, else "".
@@ -62,6 +63,9 @@ class CVOutcome(NamedTuple):
       rounds: rounds completed at each evaluation, ``[T]``.
       params: the client models of the final fit at the chosen point, leaves
         ``[S, n, ...]`` (with ``final_params``; else None).
+      plateau: whether the choice is an end of a one-axis grid where the CV score has
+        stopped moving (:func:`karula_jax.evaluation.grid_plateau`), ``[S]`` bool; None
+        as False.
     """
 
     metrics: dict[str, np.ndarray]
@@ -76,13 +80,16 @@ class CVOutcome(NamedTuple):
     curves: dict[str, np.ndarray]
     rounds: np.ndarray
     params: Any = None
+    plateau: np.ndarray | None = None
 
     @property
     def chosen_labels(self) -> list[str]:
-        """The chosen point per seed; ``" [edge]"`` marks a choice on a grid edge."""
+        """The chosen point per seed; ``" [edge]"`` marks a choice on a grid edge,
+        ``" [plateau]"`` one at an end where the score has stopped moving."""
+        plateau = np.zeros_like(self.edge) if self.plateau is None else self.plateau
         return [
-            self.labels[c] + (" [edge]" if e else "")
-            for c, e in zip(self.chosen, self.edge, strict=True)
+            self.labels[c] + (" [edge]" if e else " [plateau]" if p else "")
+            for c, e, p in zip(self.chosen, self.edge, plateau, strict=True)
         ]
 
 
@@ -199,7 +206,7 @@ def cross_validate(
             )
             finals.append(jax.tree.map(lambda a: grid_axis(a[final]), client))
     val, grid_metrics, finite = _split_metrics(parts, S, K, final_fits)
-    chosen, cv_score, edge = _choose(method, val, score, fold_weights, maximize, S)
+    chosen, cv_score, edge, plateau = _choose(method, val, score, fold_weights, maximize, S)
     if warn_unconverged and any(unconverged):
         _warn_capped(desc, reports)
     pick = lambda a: a[np.arange(S), chosen]  # [S, G, ...] -> the chosen point's [S, ...]
@@ -216,6 +223,7 @@ def cross_validate(
         curves={k: pick(np.concatenate([c[k] for c in curves], 1)) for k in (curves or [{}])[0]},
         rounds=np.asarray(res.metric_rounds),
         params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
+        plateau=plateau,
     )
 
 
@@ -251,13 +259,19 @@ def _split_metrics(parts, S: int, K: int, final_fits: bool):
 
 
 def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
-    """``(chosen [S], cv_score [S, G] or None, edge [S])`` from the validation metrics
-    ``val`` ``{name: [S, K, G, ...]}`` (``finite`` among them)."""
+    """``(chosen [S], cv_score [S, G] or None, edge [S], plateau [S])`` from the
+    validation metrics ``val`` ``{name: [S, K, G, ...]}`` (``finite`` among them). A
+    plateau is looked for on one-axis grids only (the neighbour of a crossed grid's
+    point is not its index's)."""
+    none = np.zeros(S, bool)
     if not method.tuned:
-        return np.zeros(S, dtype=int), None, np.zeros(S, bool)
+        return np.zeros(S, dtype=int), None, none, none
     valid = val["finite"]
     sel = ev.select_by_cv(score(val), fold_weights=fold_weights, valid=valid, maximize=maximize)
-    return sel.index, sel.score, method.edge(sel.index)
+    edge = method.edge(sel.index)
+    one_axis = method.edges is None
+    plateau = edge & ev.grid_plateau(sel.index, sel.score) if one_axis else none
+    return sel.index, sel.score, edge & ~plateau, plateau
 
 
 def _warn_capped(desc: str | None, reports: list[str]) -> None:
