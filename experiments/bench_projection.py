@@ -13,7 +13,13 @@ import numpy as np
 
 from experiments.paths import OUTPUT
 from karula_jax import projection
-from karula_jax.benchmarking import bench_page, cvxpy_projection, publish, run_header
+from karula_jax.benchmarking import (
+    bench_page,
+    cvxpy_projection,
+    publish,
+    random_dissimilarities,
+    run_header,
+)
 from karula_jax.reporting import cli
 from karula_jax.training import progress_bar
 
@@ -105,10 +111,10 @@ def hard_instance(n: int, p: int, kind: str, rng):
         v[n // 2 :] = v[0]
     elif kind == "scaled":
         v = 1e3 * v
-    D = rng.uniform(0.5, 1.5, size=(n, n))
+    D = random_dissimilarities(n, rng=rng)
     sq = np.sum((v[:, None] - v[None]) ** 2, axis=-1)
     t = 1e-4 if kind == "tiny radii" else rng.choice([0.01, 0.1, 0.5, 1.0])
-    radii_sq = t * np.median(sq[np.triu_indices(n, 1)]) * (D + D.T) / 2
+    radii_sq = t * np.median(sq[np.triu_indices(n, 1)]) * D
     if kind == "inf and zero radii":
         free, merged = rng.random((2, n, n)) < np.array([0.3, 0.1])[:, None, None]
         radii_sq = np.where(free | free.T, np.inf, radii_sq)

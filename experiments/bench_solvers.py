@@ -10,7 +10,7 @@ import numpy as np
 
 from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
-from karula_jax.benchmarking import bench_page, publish, run_header
+from karula_jax.benchmarking import bench_page, publish, random_dissimilarities, run_header
 from karula_jax.data import synthetic_ridge
 from karula_jax.models import ridge_loss
 from karula_jax.reporting import cli
@@ -60,8 +60,8 @@ def bench_case(cfg: SolversConfig, n: int, d: int, seeds: int, points: int) -> l
     theta = np.asarray(data.theta_true, np.float64)
     sq = np.sum((theta[:, None] - theta[None]) ** 2, axis=-1)
     rng = np.random.default_rng(0)
-    D = rng.uniform(0.5, 1.5, (n, n)) * np.median(sq[np.triu_indices(n, 1)])
-    D = jnp.asarray(np.where(np.eye(n, dtype=bool), 0.0, (D + D.T) / 2), jnp.float32)
+    D = random_dissimilarities(n, rng=rng) * np.median(sq[np.triu_indices(n, 1)])
+    D = jnp.asarray(D, jnp.float32)
     grid = {"t": jnp.asarray(np.geomspace(cfg.t_min, 1.0, points), jnp.float32)}
     s = max(1, int(n * cfg.clients_per_round_frac))
     keys = jax.vmap(jax.random.key)(jnp.arange(seeds))
