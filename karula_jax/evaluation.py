@@ -243,11 +243,11 @@ def grid_plateau(index, score, *, rtol: float = PLATEAU_RTOL) -> np.ndarray:
     index, score = np.asarray(index), np.asarray(score, np.float64)
     if score.ndim != 2 or score.shape[0] != index.shape[0]:
         raise ValueError(f"score: expected [S, G] with S = {index.shape[0]}, got {score.shape}")
+    if not rtol >= 0:
+        raise ValueError(f"rtol: expected a nonnegative number, got {rtol}")
     G = score.shape[1]
     if G < 2:
         return np.zeros(index.shape, bool)
-    if not rtol >= 0:
-        raise ValueError(f"rtol: expected a nonnegative number, got {rtol}")
     rows = np.arange(index.shape[0])
     neighbour = np.where(index == 0, 1, G - 2)
     own, other = score[rows, index], score[rows, neighbour]

@@ -127,6 +127,8 @@ def test_grid_plateau_against_hand_cases():
         ev.grid_plateau([0, 1], np.ones((3, 4)))
     with pytest.raises(ValueError, match="rtol"):
         ev.grid_plateau([0], np.ones((1, 4)), rtol=-1.0)
+    with pytest.raises(ValueError, match="rtol"):  # also where no plateau can exist
+        ev.grid_plateau([0], np.ones((1, 1)), rtol=float("nan"))
 
 
 def test_cv_reports_a_plateau_instead_of_an_edge():
