@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import time
 import types
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +26,7 @@ from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.models import ridge_loss
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
 
-__all__ = ["SyntheticConfig", "build_batch", "main", "run_experiment", "run_sensitivity"]
+__all__ = ["SyntheticConfig", "main", "run_experiment", "run_sensitivity", "study"]
 
 # The paper's methods; baselines beyond it, the two other uses of Karula's D, and Karula
 # at Theorem 4.3's step 3 / (8 L_max).
@@ -145,65 +145,29 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
     return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, **small)
 
 
-class Batch(NamedTuple):
-    """The study's data sets (:class:`karula_jax.protocol.StudyData`) and what goes with them."""
-
-    data: protocol.StudyData  # S (K + 1) members, seed-major; D mean-normalized
-    D_true: jnp.ndarray | None  # [B, n, n] true ||theta_i* - theta_j*||^2 (diagnostic)
-    D_population: jnp.ndarray | None  # [B, n, n] D from many fresh rows (diagnostic)
-    D_l1: jnp.ndarray | None  # [B, n, n] D with the paper's entrywise L1 norm (diagnostic)
-    L_f: np.ndarray  # [B] product-space constant max_i alpha_i L_i / n
-    L_max: np.ndarray  # [B] max_i L_i
-    theta_true: np.ndarray  # [S, n, d]
-    embedding_converged: np.ndarray  # [B, n] bool
-    spearman_population: np.ndarray | None  # [S] Spearman of D_population with the truth
-
-    @property
-    def D(self) -> jnp.ndarray:
-        return self.data.D  # [B, n, n] Karula's dissimilarities
+# The diagnostics' member arguments: Karula's row reading each instead of D.
+_DIAGNOSTIC_D = dict(zip(DIAGNOSTICS, ("D_true", "D_population", "D_l1"), strict=True))
 
 
-def build_batch(cfg: SyntheticConfig, *, log: Callable[[str], None] = print) -> Batch:
-    """Draws the seeds' data, splits folds, computes D and the Lipschitz constants."""
-    gen = dict(cfg.generator, num_clients=cfg.num_clients, dim=cfg.dim)
-    if cfg.noise_std is not None:
-        gen["noise_std"] = cfg.noise_std
-
-    def draw(seed: int) -> protocol.Draw:
-        d = synthetic_ridge(seed, **gen)
-        return protocol.Draw(d.train, d.test, np.asarray(d.theta_true))
-
-    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon)
-    data = protocol.draw_study(
-        draw,
-        cfg.seeds,
-        num_folds=cfg.num_folds,
-        embed=embed,
-        normalize_D=cfg.normalize_D,
-        cluster_grid=cfg.cluster_grid,
-        log=log,
+def diagnostic_dissimilarities(cfg: SyntheticConfig, data: protocol.StudyData) -> dict:
+    """The diagnostics' D per member, ``{"D_true", "D_population", "D_l1": [B, n, n]}``
+    (mean-normalized with ``cfg.normalize_D``): the true ``||theta_i* - theta_j*||^2``, D
+    from ``cfg.population_rows`` fresh rows per client (the generator draws training rows
+    before test rows, so only the test rows grow: the same clients), and D with the paper's
+    entrywise L1 norm of the scaled maps (``norm="l1"``)."""
+    cv, embed = data.cv, dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon)
+    truth = np.stack([ev.pairwise_sq_distances(t) for t, _ in data.extras])
+    pops = protocol.stack_datasets([pop for _, pop in data.extras])
+    D_pop, info = protocol.member_dissimilarities(pops, cv.final(data.embed_keys), **embed)
+    if not np.all(info.converged):
+        warnings.warn("the population D's transport problems did not all converge", stacklevel=2)
+    D_l1, _ = protocol.member_dissimilarities(cv.train, data.embed_keys, norm="l1", **embed)
+    out = dict(
+        D_true=cv.per_member(jnp.asarray(truth, jnp.float32)),
+        D_population=cv.per_member(D_pop),
+        D_l1=D_l1,
     )
-    cv, theta_true, converged = data.cv, np.stack(data.extras), data.converged
-    D_true = D_pop = D_l1 = rho_pop = None
-    if cfg.diagnostics:
-        # The truth, and D from many fresh rows of the same clients (the generator draws
-        # training rows before test rows, so only the test rows grow).
-        truth = np.stack([ev.pairwise_sq_distances(t) for t in theta_true])
-        D_true = cv.per_member(jnp.asarray(truth, jnp.float32))
-        pops = [
-            synthetic_ridge(seed, **{**gen, "num_test": cfg.population_rows}).test
-            for seed in range(cfg.seeds)
-        ]
-        pops = protocol.stack_datasets(pops)
-        D_pop, info = protocol.member_dissimilarities(pops, cv.final(data.embed_keys), **embed)
-        converged = converged & np.asarray(cv.per_member(info.converged))
-        rho_pop = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_pop, strict=True)])
-        D_pop = cv.per_member(D_pop)
-        D_l1, _ = protocol.member_dissimilarities(cv.train, data.embed_keys, norm="l1", **embed)
-        if cfg.normalize_D:
-            D_true, D_pop, D_l1 = (protocol.mean_normalized(a) for a in (D_true, D_pop, D_l1))
-    L_f, L_max = protocol.smoothness_constants(cv.train, cfg.lam)
-    return Batch(data, D_true, D_pop, D_l1, L_f, L_max, theta_true, converged, rho_pop)
+    return {k: protocol.mean_normalized(v) if cfg.normalize_D else v for k, v in out.items()}
 
 
 # The configuration fields that shape the methods (not the data draw, folds or rounds).
@@ -211,14 +175,15 @@ _METHOD_FIELDS = (
     "rate_karula", "rate_fedavg", "rate_ifca", "rate_pfedme", "num_clients", "lam",
     "clients_per_round", "local_steps", "pfedme_inner_steps", "projection_tol",
     "projection_max_iter", "t_grid", "theorem_t_grid", "k_grid", "pfedme_grid",
-    "fedprox_grid", "ditto_grid", "penalty_grid", "cluster_grid",
+    "fedprox_grid", "ditto_grid", "penalty_grid", "cluster_grid", "methods", "diagnostics",
 )  # fmt: skip
 
 
 def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
-    """Every method with the step sizes of ``results/synthetic/README.md``: the same
-    objects for configurations equal in :data:`_METHOD_FIELDS`, so that another run (a
-    sensitivity setting, another D) reuses their compiled programs."""
+    """The methods ``cfg`` runs (Local always: the notes compare its models' distances
+    with D), with the step sizes of ``results/synthetic/README.md``: the same objects for
+    configurations equal in :data:`_METHOD_FIELDS`, so that another run (a sensitivity
+    setting) reuses their compiled programs."""
     return dict(_methods(n_max, **{k: getattr(cfg, k) for k in _METHOD_FIELDS}))
 
 
@@ -242,12 +207,18 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
         "Karula": projection,
         "Karula (theorem step)": projection,
     }
+    # Karula's row on another D, with its grid and projection
+    karula = protocol.REGISTRY["Karula"]
+    rows = {n: karula._replace(name=n, members={"D": k}) for n, k in _DIAGNOSTIC_D.items()}
+    names = protocol.selected(cfg.methods, METHODS + EXTRA)
+    names = (names if "Local" in names else ["Local", *names]) + list(rows) * cfg.diagnostics
     return protocol.build_methods(
-        METHODS + EXTRA,
+        names,
         loss=ridge_loss(cfg.lam),
         rates=rates,
-        grids=grids,
-        options=options,
+        grids=grids | dict.fromkeys(rows, cfg.t_grid),
+        options=options | dict.fromkeys(rows, projection),
+        registry=protocol.REGISTRY | rows,
         clients_per_round=cfg.clients_per_round,
         batch_size=n_max,
         local_steps=cfg.local_steps,
@@ -266,35 +237,26 @@ def _metrics(theta, evals):
     }
 
 
-def run_methods(specs: dict, batch: Batch, cfg: SyntheticConfig, D=None, log=print) -> dict:
-    """Cross-validates every method (pooled validation MSE) and scores its final fits;
-    ``D``: the members' dissimilarities instead of the batch's."""
-    cv, K = batch.data.cv, cfg.num_folds
+def _options(cfg: SyntheticConfig, data: protocol.StudyData) -> dict[str, Any]:
+    """CV on the pooled validation MSE (squared errors of all clients / their rows), the
+    folds weighted by their rows; the truth beside every member's evaluation rows."""
+    cv, K = data.cv, cfg.num_folds
     rows = np.asarray(cv.evals.counts, np.float64).reshape(cfg.seeds, K + 1, 1, -1)[:, :K]
-    kw = batch.data.member_kwargs(L_f=batch.L_f, L_max=batch.L_max)
-    return protocol.compare(
-        specs,
-        jnp.zeros((cfg.dim,), jnp.float32),
-        cv,
-        keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
-        num_rounds=cfg.rounds,
-        eval_fn=_metrics,
-        eval_data=(cv.evals, cv.per_member(batch.theta_true)),
-        member_kwargs=kw if D is None else kw | {"D": D},
-        # pooled validation MSE: squared errors of all clients / their rows
+    theta_true = np.stack([t for t, _ in data.extras])
+    return dict(
+        eval_data=(cv.evals, cv.per_member(theta_true)),
         score=lambda m: np.sum(m["mse"] * rows, -1) / rows.sum(-1),
         fold_weights=rows.sum(-1)[..., 0],
         describe=lambda o: (
             f"error {o.metrics['error'].mean():7.3f}  R2 {o.metrics['r2'].mean():6.3f}"
         ),
-        log=log,
     )
 
 
-def _exact_references(batch: Batch, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
+def _exact_references(cfg: SyntheticConfig, data: protocol.StudyData) -> dict[str, np.ndarray]:
     """Estimation errors of the closed-form local and pooled ridge fits, per seed."""
-    out, final = {"local_error": [], "global_error": []}, batch.data.cv.final(batch.data.cv.train)
-    for s, truth in enumerate(batch.theta_true):
+    out, final = {"local_error": [], "global_error": []}, data.cv.final(data.cv.train)
+    for s, (truth, _) in enumerate(data.extras):
         fits = ev.ridge_solutions(ClientData(*(a[s] for a in final)), cfg.lam)
         for key, theta in zip(out, fits, strict=True):
             out[key].append(np.mean(np.sum((theta - truth) ** 2, -1)))
@@ -305,117 +267,140 @@ def _pm(values, digits: int = 3) -> str:
     return format_mean_se(*mean_and_se(values), digits=digits)
 
 
+class _Structure(NamedTuple):
+    """Seed 0's matrices and every seed's Spearman correlations with the truth."""
+
+    truth: list  # [S] true ||theta_i* - theta_j*||^2
+    D: np.ndarray  # [S, n, n] the final fits' D
+    local: list  # [S] distances between the Local models
+    rho_D: np.ndarray  # [S]
+    rho_local: np.ndarray  # [S]
+    rho_population: np.ndarray | None  # [S], with the diagnostics
+
+
+def _structure(result: protocol.StudyResult) -> _Structure:
+    """Dissimilarity structure: truth vs Karula's D vs distances between Local models."""
+    cv, extras = result.data.cv, result.data.extras
+    truth = [ev.pairwise_sq_distances(t) for t, _ in extras]
+    D = np.asarray(cv.final(result.data.D))
+    local = [ev.pairwise_sq_distances(p) for p in result.outcomes["Local"].metrics["theta"]]
+    rho = lambda Ds: np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, Ds, strict=True)])
+    pop = result.member_kwargs.get("D_population")
+    return _Structure(
+        truth, D, local, rho(D), rho(local), None if pop is None else rho(np.asarray(cv.final(pop)))
+    )
+
+
+def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
+    """The study of ``cfg``; ``command`` is the command line quoted in the table's notes."""
+    gen = dict(cfg.generator, num_clients=cfg.num_clients, dim=cfg.dim)
+    gen |= {} if cfg.noise_std is None else {"noise_std": cfg.noise_std}
+
+    def draw(seed: int) -> protocol.Draw:  # extras: the truth, the population's rows
+        d, pop = synthetic_ridge(seed, **gen), None
+        if cfg.diagnostics:
+            pop = synthetic_ridge(seed, **gen, num_test=cfg.population_rows).test
+        return protocol.Draw(d.train, d.test, (np.asarray(d.theta_true), pop))
+
+    def member_kwargs(data):
+        L = protocol.smoothness_constants(data.cv.train, cfg.lam)
+        more = diagnostic_dissimilarities(cfg, data) if cfg.diagnostics else {}
+        return dict(L_f=L[0], L_max=L[1]) | more
+
+    def notes(result):
+        st, refs = _structure(result), _exact_references(cfg, result.data)
+        diagnostics = (
+            [
+                f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
+                f"{cfg.population_rows} fresh rows per client (Spearman with the truth "
+                f"{_pm(st.rho_population)}), and with the paper's own formula for D (entrywise "
+                f"L1 norm of the scaled maps, norm='l1'); same t grid and CV."
+            ]
+            if cfg.diagnostics
+            else []
+        )
+        return [
+            f"{cfg.seeds} seeds, mean ± 2 SE over seeds; {cfg.rounds} rounds, "
+            f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
+            f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was "
+            f"chosen) from the grids {protocol.describe_grids(result.methods)}.",
+            f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
+            f"{_pm(st.rho_D)}, Local-model distances {_pm(st.rho_local)} (paired difference "
+            f"{format_mean_se(*paired_difference(st.rho_D, st.rho_local), digits=3)}).",
+            *diagnostics,
+            f"Closed-form references: exact local ridge fits have estimation error "
+            f"{_pm(refs['local_error'], 2)}, the exact pooled global fit "
+            f"{_pm(refs['global_error'], 2)}.",
+            f"Karula's projections stop within {cfg.projection_tol:g} of S (certified gap), "
+            f"at most {cfg.projection_max_iter} iterations.",
+        ]
+
+    def summary(result):
+        st, refs = _structure(result), _exact_references(cfg, result.data)
+        return {
+            "spearman_D": st.rho_D,
+            "spearman_local": st.rho_local,
+            "spearman_population_D": st.rho_population,
+            "exact_local_error": refs["local_error"],
+            "exact_global_error": refs["global_error"],
+        }
+
+    def figures(result):
+        st = _structure(result)
+        heatmaps = functools.partial(
+            reporting.plot_heatmaps,
+            [st.truth[0], st.D[0], st.local[0]],
+            [
+                "true $\\|\\theta_i^* - \\theta_j^*\\|^2$",
+                f"Karula's $D_{{ij}}$ (Spearman {st.rho_D[0]:.2f})",
+                f"Local models $\\|\\theta_i - \\theta_j\\|^2$ (Spearman {st.rho_local[0]:.2f})",
+            ],
+            suptitle="Synthetic ridge, seed 0 (clients ordered by group)",
+        )
+        return {"heatmaps.png": heatmaps}
+
+    columns = [("method", "Method"), ("estimation_error", "Estimation error")]
+    columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
+    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
+    return protocol.Study(
+        title="Synthetic ridge regression (paper Table 1)",
+        config=cfg,
+        draw=draw,
+        seeds=cfg.seeds,
+        num_folds=cfg.num_folds,
+        num_rounds=cfg.rounds,
+        methods=lambda data: methods(cfg, int(data.cv.train.x.shape[2])),
+        params=jnp.zeros((cfg.dim,), jnp.float32),
+        eval_fn=_metrics,
+        score=None,  # _options
+        values=lambda o, _: {
+            "estimation_error": o.metrics["error"].mean(-1),
+            "test_r2": o.metrics["r2"].mean(-1),
+        },
+        paired="estimation_error",
+        columns=columns,
+        embed=dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon),
+        member_kwargs=member_kwargs,
+        keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
+        cluster_grid=cfg.cluster_grid,
+        normalize_D=cfg.normalize_D,
+        notes=notes,
+        summary=summary,
+        figures=figures,
+        digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
+        options=functools.partial(_options, cfg),
+        json="config.json",
+        command=command,
+    )
+
+
 def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dict[str, Any]:
     """Runs every method; writes ``table.{md,csv}``, ``heatmaps.png``, ``config.json`` to ``out``.
 
     ``command`` is the command line quoted in the table's notes. Returns the summary dict.
     """
-    t_start, cpu_start = time.perf_counter(), time.process_time()
     log(f"config: {dataclasses.asdict(cfg)}")
-    batch = build_batch(cfg, log=log)
-    if not batch.embedding_converged.all():
-        log(f"warning: {int((~batch.embedding_converged).sum())} Sinkhorn solves did not converge")
-    specs = methods(cfg, int(batch.data.cv.train.x.shape[2]))
-    names = protocol.selected(cfg.methods, METHODS + EXTRA)
-    names = names if "Local" in names else ["Local", *names]  # the Local-model distances
-    specs = {name: specs[name] for name in names}
-    grids = protocol.describe_grids(specs)
-    log("CV grids: " + grids)
-    results = run_methods(specs, batch, cfg, log=log)
-    if cfg.diagnostics:
-        diagnostic_D = (batch.D_true, batch.D_population, batch.D_l1)
-        for name, D in zip(DIAGNOSTICS, diagnostic_D, strict=True):
-            results |= run_methods({name: specs["Karula"]}, batch, cfg, D, log=log)
-    refs = _exact_references(batch, cfg)
-
-    # Dissimilarity structure: truth vs Karula's D vs distances between Local models.
-    D_full = np.asarray(batch.data.cv.final(batch.D))
-    truth = [ev.pairwise_sq_distances(t) for t in batch.theta_true]
-    local = [ev.pairwise_sq_distances(p) for p in results["Local"].metrics["theta"]]
-    rho_D = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, D_full, strict=True)])
-    rho_loc = np.asarray([ev.spearman_offdiag(t, d) for t, d in zip(truth, local, strict=True)])
-    heatmaps = functools.partial(
-        reporting.plot_heatmaps,
-        [truth[0], D_full[0], local[0]],
-        [
-            "true $\\|\\theta_i^* - \\theta_j^*\\|^2$",
-            f"Karula's $D_{{ij}}$ (Spearman {rho_D[0]:.2f})",
-            f"Local models $\\|\\theta_i - \\theta_j\\|^2$ (Spearman {rho_loc[0]:.2f})",
-        ],
-        suptitle="Synthetic ridge, seed 0 (clients ordered by group)",
-    )
-    values = {
-        name: {"estimation_error": r.metrics["error"].mean(-1), "test_r2": r.metrics["r2"].mean(-1)}
-        for name, r in results.items()
-    }
-    rows = protocol.study_rows(values, results, paired="estimation_error", untuned="-")
-    runtime, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
-    diagnostics = cfg.diagnostics and (
-        f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
-        f"{cfg.population_rows} fresh rows per client (Spearman with the truth "
-        f"{_pm(batch.spearman_population)}), and with the paper's own formula for D (entrywise "
-        f"L1 norm of the scaled maps, norm='l1'); same t grid and CV."
-    )
-    notes = [
-        f"{cfg.seeds} seeds, mean ± 2 SE over seeds; {cfg.rounds} rounds, "
-        f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
-        f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was chosen) "
-        f"from the grids {grids}.",
-        f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
-        f"{_pm(rho_D)}, Local-model distances {_pm(rho_loc)} (paired difference "
-        f"{format_mean_se(*paired_difference(rho_D, rho_loc), digits=3)}).",
-        *([diagnostics] if diagnostics else []),
-        f"Closed-form references: exact local ridge fits have estimation error "
-        f"{_pm(refs['local_error'], 2)}, the exact pooled global fit "
-        f"{_pm(refs['global_error'], 2)}.",
-        *(
-            f"{name}'s {r.diagnostics} (all CV and final runs; tolerance "
-            f"{cfg.projection_tol:g} of S, cap {cfg.projection_max_iter})."
-            for name, r in results.items()
-            if r.diagnostics
-        ),
-        f"Runtime {runtime:.0f} s wall, {cpu:.0f} s CPU (all threads). Command: `{command}`.",
-    ]
-    columns = [("method", "Method"), ("estimation_error", "Estimation error")]
-    columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
-    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
-    summary = {
-        "config": dataclasses.asdict(cfg),
-        "runtime_s": runtime,
-        "cpu_s": cpu,
-        "devices": [str(d) for d in jax.devices()],
-        "jax_version": jax.__version__,
-        "spearman_D": rho_D,
-        "spearman_local": rho_loc,
-        "exact_local_error": refs["local_error"],
-        "exact_global_error": refs["global_error"],
-        "embedding_converged": bool(batch.embedding_converged.all()),
-        "spearman_population_D": batch.spearman_population,
-        "methods": {
-            name: values[name]
-            | {
-                "chosen": r.chosen_labels,
-                "cv_validation_mse": r.cv_score,
-                "grid": r.labels,
-                "final_fit_error_per_grid_point": r.grid_metrics["error"].mean(-1),
-                "all_rounds_finite": bool(r.finite.all()),
-            }
-            for name, r in results.items()
-        },
-    }
-    protocol.write_study(
-        out,
-        rows,
-        columns,
-        title="Synthetic ridge regression (paper Table 1)",
-        notes=notes,
-        digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
-        summary=summary,
-        figures={"heatmaps.png": heatmaps},
-        json="config.json",
-        log=log,
-    )
-    return summary
+    return protocol.run_study(study(cfg, command=command), out, log=log).summary
 
 
 SETTINGS: dict[str, dict[str, Any]] = {  # results/synthetic_sensitivity/README.md
@@ -439,10 +424,10 @@ def run_sensitivity(
         cfg = dataclasses.replace(base, generator=dict(generator), methods=METHODS)
         summary = run_experiment(cfg, out / name, command=setting)
         described = ", ".join(f"{k}={v}" for k, v in generator.items()) or "(defaults)"
-        row = {m: summary["methods"][m]["estimation_error"] for m in METHODS}
+        row = {m: summary["per_seed"][m]["estimation_error"] for m in METHODS}
         row |= {k: summary[k] for k in ("spearman_D", "spearman_local")}
         row = reporting.mean_se_columns({"setting": name, "generator": described}, **row)
-        row["karula_t"] = ", ".join(sorted(set(summary["methods"]["Karula"]["chosen"])))
+        row["karula_t"] = ", ".join(sorted(set(summary["chosen"]["Karula"])))
         rows.append(row)
     columns = [("setting", "Setting"), ("generator", "Generator keywords")]
     columns += [(m, m) for m in METHODS] + [("spearman_D", "Spearman D")]

@@ -15,7 +15,7 @@ from karula_jax import evaluation as ev
 from karula_jax import protocol
 from karula_jax.data import synthetic_ridge
 
-# The quick run's seeded results (summary["methods"]), to catch a wrong step, weighting or
+# The quick run's seeded results (summary["per_seed"]), to catch a wrong step, weighting or
 # CV choice that leaves the numbers finite and in range. Both are continuous: rtol 1e-3 is
 # far above float noise across machines (2e-2 for Karula's rows, see below).
 # Refresh after a deliberate change of the numerics: run the test's command and copy the new
@@ -101,13 +101,13 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     md = (tmp_path / "table.md").read_text()
     assert all(m in md for m in sr.quick_config().methods) and "±" in md
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["config"]["seeds"] == 2 and cfg["runtime_s"] > 0
-    assert len(summary["methods"]["Karula"]["chosen"]) == 2
+    assert cfg["config"]["seeds"] == 2 and cfg["total_seconds"] > 0
+    assert len(summary["chosen"]["Karula"]) == 2
     assert cfg["config"]["diagnostics"] and len(cfg["spearman_population_D"]) == 2
     assert "`python -m experiments.synthetic_ridge --quick --diagnostics`" in md
     assert all(d in md for d in sr.DIAGNOSTICS)
-    got = summary["methods"]
-    assert set(got) == set(PINNED)
+    got = summary["per_seed"]
+    assert set(got) == set(PINNED) == set(summary["chosen"])
     for m, (error, r2) in PINNED.items():
         # Karula's rows: each projection stops somewhere within its tolerance (1e-4 of S),
         # and where moves with the float rounding of its products (with a 10-iteration cap,
@@ -115,36 +115,38 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
         rtol = 2e-2 if m.startswith("Karula") else 1e-3
         np.testing.assert_allclose(got[m]["estimation_error"], error, rtol=rtol, err_msg=m)
         np.testing.assert_allclose(got[m]["test_r2"], r2, rtol=rtol, err_msg=m)
-        chosen = [c.split(" [")[0] for c in got[m]["chosen"]]  # edge or plateau: not pinned
+        chosen = [c.split(" [")[0] for c in summary["chosen"][m]]  # edge or plateau: not pinned
         assert chosen == PINNED_CHOICES.get(m, ["", ""]), m
 
 
-def test_batch_holds_normalized_true_population_and_l1_D():
+def test_diagnostic_D_are_normalized_truth_population_and_l1():
     cfg = dataclasses.replace(sr.quick_config(), diagnostics=True, population_rows=50)
-    batch = sr.build_batch(cfg, log=lambda _: None)
+    data = protocol.study_data(sr.study(cfg, command=""), log=lambda _: None)
+    diagnostic = sr.diagnostic_dissimilarities(cfg, data)
     K = cfg.num_folds
     n = cfg.num_clients
     off = ~np.eye(n, dtype=bool)
-    for D in (batch.D, batch.D_true, batch.D_population, batch.D_l1):
+    for D in (data.D, *diagnostic.values()):
         D = np.asarray(D)
         assert D.shape == (cfg.seeds * (K + 1), n, n)
         np.testing.assert_allclose(D[:, off].mean(axis=1), 1.0, rtol=1e-5)
+    D_true, D_population = diagnostic["D_true"], diagnostic["D_population"]
     for s in range(cfg.seeds):
-        theta = batch.theta_true[s]
+        theta, population = data.extras[s]
+        assert population.x.shape[1] == 50  # the population's rows
         truth = np.sum((theta[:, None] - theta[None]) ** 2, axis=-1)
         truth = truth / truth[off].mean()
         for f in range(K + 1):  # the truth and the population D do not depend on the fold
             b = s * (K + 1) + f
-            np.testing.assert_allclose(np.asarray(batch.D_true[b]), truth, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(D_true[b]), truth, rtol=1e-4, atol=1e-6)
             np.testing.assert_array_equal(
-                np.asarray(batch.D_population[b]), np.asarray(batch.D_population[s * (K + 1)])
+                np.asarray(D_population[b]), np.asarray(D_population[s * (K + 1)])
             )
     # The embedding's D sees the fold's rows: the folds of one seed differ.
-    assert not np.allclose(np.asarray(batch.D[0]), np.asarray(batch.D[1]))
+    assert not np.allclose(np.asarray(data.D[0]), np.asarray(data.D[1]))
     # The paper's entrywise L1 D ranks the pairs like the row norm, but is another matrix.
-    for a, b in zip(np.asarray(batch.D), np.asarray(batch.D_l1), strict=True):
+    for a, b in zip(np.asarray(data.D), np.asarray(diagnostic["D_l1"]), strict=True):
         assert 0.5 < ev.spearman_offdiag(a, b) < 1.0 and not np.allclose(a, b, rtol=1e-2)
-    assert len(batch.spearman_population) == cfg.seeds
 
 
 def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):

@@ -66,6 +66,7 @@ from karula_jax.protocol.study import (
     logistic_study,
     run_study,
     selected,
+    study_data,
     study_rows,
     write_study,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "smoothness_constants",
     "smoothness_rates",
     "stack_datasets",
+    "study_data",
     "study_rows",
     "write_study",
 ]

@@ -61,6 +61,7 @@ __all__ = [
     "logistic_study",
     "run_study",
     "selected",
+    "study_data",
     "study_rows",
     "write_study",
 ]
@@ -276,6 +277,7 @@ class StudyResult(NamedTuple):
       rows: the table rows (:func:`study_rows`); empty while the notes are written.
       seconds: wall clock from the first draw to the end of the runs.
       summary: the JSON summary (empty while the notes are written).
+      member_kwargs: what the study's ``member_kwargs`` gave (``{name: [B, ...]}``).
     """
 
     data: StudyData
@@ -284,6 +286,7 @@ class StudyResult(NamedTuple):
     rows: list[dict]
     seconds: float
     summary: dict[str, Any]
+    member_kwargs: dict[str, Any] = {}
 
 
 class Study(NamedTuple):
@@ -307,11 +310,17 @@ class Study(NamedTuple):
       member_kwargs: ``member_kwargs(data) -> {name: [B, ...]}``, member arguments
         besides ``D`` and ``labels`` (e.g. smoothness constants), or None.
       keys: the seeds' run keys ``[S]`` (default ``split(key(0), S)``).
-      embed_keys, cluster_grid: of :func:`draw_study`.
+      embed_keys, cluster_grid, normalize_D: of :func:`draw_study`.
       notes: ``notes(result) -> lines`` under the table, or None.
       summary: ``summary(result) -> dict``, entries added to the JSON summary, or None.
+      figures: ``figures(result) -> {file name: draw(path)}`` (:func:`write_study`), or None.
       digits: decimals per column (default 3).
-      options: further keywords of :func:`~karula_jax.protocol.compare` (``describe``...).
+      options: further keywords of :func:`~karula_jax.protocol.compare` (``describe``,
+        ``eval_data``, ``fold_weights``...; they override ``eval_fn`` and ``score``), or
+        ``options(data) -> keywords`` where they depend on the data.
+      json: the JSON summary's file name.
+      command: the command line that ran the study, quoted in the last note with the
+        runtime ("" for none).
     """
 
     title: str
@@ -332,69 +341,104 @@ class Study(NamedTuple):
     keys: jax.Array | None = None
     embed_keys: jax.Array | None = None
     cluster_grid: Sequence[int] = ()
+    normalize_D: bool = False
     notes: Callable[[StudyResult], Sequence[str]] | None = None
     summary: Callable[[StudyResult], Mapping[str, Any]] | None = None
+    figures: Callable[[StudyResult], Mapping[str, Callable[[pathlib.Path], Any]]] | None = None
     digits: Mapping[str, int] | None = None
-    options: Mapping[str, Any] | None = None
+    options: Mapping[str, Any] | Callable[[StudyData], Mapping[str, Any]] | None = None
+    json: str = "summary.json"
+    command: str = ""
 
 
-def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = print):
-    """Runs ``study`` end to end and writes ``table.{md,csv}`` and ``summary.json`` to ``out``.
-
-    The JSON summary holds the config, every method's CV choice per seed and CV scores,
-    whether every embedding converged, the projection's report of every method that
-    projects (worst certified gap, unconverged rounds; also a note under the table), the
-    rows, the wall clock and ``study.summary``.
-
-    Returns:
-      The :class:`StudyResult`.
-    """
-    t0 = time.perf_counter()
-    data = draw_study(
+def study_data(study: Study, *, log: Callable[[str], None] = print) -> StudyData:
+    """The :class:`StudyData` of ``study`` (:func:`draw_study` with its settings)."""
+    return draw_study(
         study.draw,
         study.seeds,
         num_folds=study.num_folds,
         embed=study.embed,
         embed_keys=study.embed_keys,
+        normalize_D=study.normalize_D,
         cluster_grid=study.cluster_grid,
         log=log,
     )
+
+
+def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = print):
+    """Runs ``study`` end to end and writes ``table.{md,csv}``, the JSON summary
+    (``study.json``) and ``study.figures`` to ``out``.
+
+    The JSON summary holds the config, every method's grid labels, CV choice per seed and
+    CV scores, its per-seed values (``"per_seed"``: ``{method: {column: [S]}}``), whether
+    every embedding converged, the projection's report of every method that projects
+    (worst certified gap, unconverged rounds; also a note under the table), the rows, the
+    wall clock and CPU time (``total_seconds``, ``cpu_seconds``; also the last note, with
+    ``study.command``), the devices, the jax version and ``study.summary``.
+
+    Returns:
+      The :class:`StudyResult`.
+    """
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    data = study_data(study, log=log)
     methods = dict(study.methods(data))
     log(f"every embedding converged: {bool(data.converged.all())}")
     log("CV grids: " + describe_grids(methods))
-    more = study.member_kwargs(data) if study.member_kwargs else {}
+    more = dict(study.member_kwargs(data)) if study.member_kwargs else {}
+    options = study.options(data) if callable(study.options) else study.options
     outcomes = compare(
         methods,
         study.params(data) if callable(study.params) else study.params,
         data.cv,
-        keys=jax.random.split(jax.random.key(0), study.seeds) if study.keys is None else study.keys,
-        num_rounds=study.num_rounds,
-        eval_fn=study.eval_fn,
-        score=study.score,
-        member_kwargs=data.member_kwargs(**more),
-        log=log,
-        **(study.options or {}),
+        **dict(
+            keys=jax.random.split(jax.random.key(0), study.seeds)
+            if study.keys is None
+            else study.keys,
+            num_rounds=study.num_rounds,
+            eval_fn=study.eval_fn,
+            score=study.score,
+            member_kwargs=data.member_kwargs(**more),
+            log=log,
+        )
+        | dict(options or {}),
     )
     values = {name: study.values(o, data) for name, o in outcomes.items()}
     rows = study_rows(values, outcomes, paired=study.paired)
-    result = StudyResult(data, methods, outcomes, [], time.perf_counter() - t0, {})
+    result = StudyResult(data, methods, outcomes, [], time.perf_counter() - t0, {}, more)
     # Every method whose runs projected reports its worst certified gap and the rounds
     # that did not converge, next to the table (all CV and final runs of all seeds).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
     notes = [*(study.notes(result) if study.notes else ())]
     notes += [f"{m}'s {report} (all CV and final runs)." for m, report in projection.items()]
+    cpu = time.process_time() - cpu0
+    command = f" Command: `{study.command}`." if study.command else ""
+    notes += [f"Runtime {result.seconds:.0f} s wall, {cpu:.0f} s CPU (all threads).{command}"]
     summary = {
         "config": dataclasses.asdict(study.config),
+        "grid": {m: o.labels for m, o in outcomes.items()},
         "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
         "cv_score": {m: o.cv_score for m, o in outcomes.items() if o.cv_score is not None},
+        "per_seed": values,
         "embedding_converged": bool(data.converged.all()),
         "projection": projection,
         "rows": rows,
         "total_seconds": result.seconds,
+        "cpu_seconds": cpu,
+        "devices": [str(d) for d in jax.devices()],
+        "jax_version": jax.__version__,
     } | dict(study.summary(result) if study.summary else {})
-    digits = study.digits
-    write_study(out, rows, study.columns, title=study.title, notes=notes, digits=digits,
-                summary=summary, log=log)  # fmt: skip
+    write_study(
+        out,
+        rows,
+        study.columns,
+        title=study.title,
+        notes=notes,
+        digits=study.digits,
+        summary=summary,
+        figures=study.figures(result) if study.figures else None,
+        json=study.json,
+        log=log,
+    )
     log(f"wrote {out} in {result.seconds:.0f}s")
     return result._replace(rows=rows, summary=summary)
 
