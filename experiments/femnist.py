@@ -212,36 +212,21 @@ def _active(params, D, t: float, personal) -> np.ndarray:
     )
 
 
-def _study_data(cfg: Config, seeds, num_folds: int, fold_keys=None) -> protocol.StudyData:
-    """Each seed's writer draw (extras: the writers), its CV layout, D and clusters."""
-    kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
-
-    def draw(seed: int) -> protocol.Draw:
-        d = load_leaf(cfg.data_dir, seed=seed, **kw)
-        return protocol.Draw(d.train, d.test, list(d.writers))
-
-    embed = dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
-    return protocol.draw_study(
-        draw,
-        seeds,
-        num_folds=num_folds,
-        embed=embed | {"num_classes": 10},
-        fold_keys=fold_keys,
-        embed_keys=jax.random.key(0),
-        cluster_grid=cfg.cluster_grid,
-    )
-
-
-def _member_kwargs(cfg: Config, model, data: protocol.StudyData, keys, params) -> dict:
-    """Per member: D, spectral labels of D, the rates and IFCA's random clusters."""
+def _member_kwargs(cfg: Config, model, data: protocol.StudyData) -> dict:
+    """Per member: the rates and IFCA's random clusters, from the member's seed (its key
+    ``key(seed)`` and initial model)."""
+    keys = data.cv.per_member(jax.vmap(jax.random.key)(jnp.asarray(data.seeds)))
+    init = lambda k: models.init_params(model, k, (1, 784))
     # IFCA paper: k independent random initializations
-    init = lambda k, c: models.init_params(model, jax.random.fold_in(k, 100 + c), (1, 784))
     cs = jnp.arange(cfg.ifca_clusters)
-    clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(k, c))(cs))(keys)
+    clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(jax.random.fold_in(k, 100 + c)))(cs))(
+        keys
+    )
     train = data.cv.train
     rates = library_rates(cfg, train.counts)
-    if cfg.rates in ("default", "cv"):  # params [B, ...]: each data set's initial model
+    if cfg.rates in ("default", "cv"):  # each data set's initial model
         loss = models.cross_entropy_loss(model.apply)
+        params = jax.vmap(init)(keys)
         own = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
         if cfg.rates == "default":
             rates = own
@@ -251,32 +236,7 @@ def _member_kwargs(cfg: Config, model, data: protocol.StudyData, keys, params) -
                 for k, v in rates.items()
             }
     rates = {k: jnp.asarray(v, jnp.float32) for k, v in rates.items()}
-    return data.member_kwargs(rates=rates, clusters=clusters)
-
-
-def tune(cfg: Config, model, methods) -> tuple[dict, dict, dict]:
-    """Every method at the grid point 2-fold CV (validation log-loss) chose on the tuning
-    draw (:func:`karula_jax.protocol.fix_choices`): ``(methods, {name: point}, {name:
-    label})``, the label ending in ``" [edge]"`` where the choice is a grid edge."""
-    keys = jax.random.key(TUNING_SEED)[None]
-    data = _study_data(cfg, [TUNING_SEED], 2, fold_keys=keys)
-    members, p0 = data.cv.per_member(keys), models.init_params(model, keys[0], (1, 784))
-    stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(members), *a.shape)), p0)
-    outcomes = protocol.compare(
-        {name: m for name, m in methods.items() if len(m.points()) > 1},  # something to choose
-        p0,
-        data.cv,
-        keys=keys,
-        num_rounds=cfg.rounds,
-        eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
-        score=lambda v: v["nll"].mean(-1),
-        member_kwargs=_member_kwargs(cfg, model, data, members, stacked),
-        describe=lambda o: f"CV on the tuning draw: {o.labels}",
-        final_fits=False,  # only the choice is used
-    )
-    fixed, chosen = protocol.fix_choices(methods, outcomes)
-    labels = {name: methods[name].labels()[0] for name in chosen}  # one-point grids
-    return fixed, chosen, labels | {name: o.chosen_labels[0] for name, o in outcomes.items()}
+    return {"rates": rates, "clusters": clusters}
 
 
 def _short(values) -> str:
@@ -324,37 +284,29 @@ def main(argv=None) -> dict:
     return run_experiment(cfg, args.out, args.tag)
 
 
-def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
-    """Tunes the grids, trains every method on every seed; writes tables and figures."""
-    sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
-    model, loss, seed_keys, params0, personal = _setup(cfg)
-    methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
-    fixed, chosen, labels = tune(cfg, model, methods)
-    t = float(chosen["Karula"]["t"]) if cfg.t_grid else cfg.t
-
-    data = _study_data(cfg, S, 0)  # no folds: the grids are fixed
-    train, test, writers = data.cv.train, data.cv.evals, data.extras
-    kw = _member_kwargs(cfg, model, data, seed_keys, params0)
-    converged = bool(np.all(data.converged))
-    print(f"{S} draws of {cfg.num_clients} writers; D converged: {converged}")
+def _options(cfg: Config, model, data: protocol.StudyData) -> dict:
+    """The runs' options: on the tuning draw, CV on the mean validation log-loss from
+    one initial model; on the seeds' draws, each seed's initial model, curves every
+    ``eval_every`` rounds of the weighted training loss and the test accuracy."""
+    if data.cv.num_folds:  # the tuning draw
+        return dict(
+            eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
+            score=lambda v: v["nll"].mean(-1),
+            describe=lambda o: f"CV on the tuning draw: {o.labels}",
+        )
+    train, test = data.cv.train, data.cv.evals
     alpha = jnp.stack([client_weights(c) for c in train.counts])  # [S, n]
 
-    def evaluate(params, data):
-        (tr, te), a = data
+    def evaluate(params, evals):
+        (tr, te), a = evals
         return {
             "train_loss": jnp.sum(a * ev.log_loss(model.apply, params, tr)) / a.shape[0],
             "test_acc": ev.accuracy(model.apply, params, te),
         }
 
-    outcomes = protocol.compare(
-        fixed,
-        params0,
-        data.cv,
-        keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
-        num_rounds=cfg.rounds,
+    return dict(
         eval_fn=evaluate,
         eval_data=((train, test), alpha),
-        member_kwargs=kw,
         params_per_seed=True,
         final_params=True,
         chunk_size=cfg.eval_every,
@@ -364,113 +316,172 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
         ),
     )
 
-    # ---- table: mean per-writer test accuracy, paired differences with Karula
-    test_counts = np.asarray(test.counts, np.float64)
-    acc = {m: 100 * o.curves["test_acc"][:, -1] for m, o in outcomes.items()}  # [S, n]
-    ifca_used = None
-    if "IFCA" in outcomes:  # clusters in use: distinct client models per seed
-        leaves = jax.tree.leaves(outcomes["IFCA"].params)
-        leaves = [a.reshape(a.shape[:2] + (-1,)) for a in leaves]
-        ifca_used = [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
-    rounds = np.asarray(outcomes["Karula"].rounds)
-    late = ev.tail_start(rounds)  # the last fifth of the rounds, as ``flattened`` reads it
-    loss_curve = lambda name: outcomes[name].curves["train_loss"]  # [S, T]
-    values = {
-        name: {
-            "test_acc": a.mean(1),
-            "pooled_acc": (a * test_counts).sum(1) / test_counts.sum(1),
-            "train_loss": loss_curve(name)[:, -1],
-            "loss_drop": loss_curve(name)[:, late] - loss_curve(name)[:, -1],
-            "flattened": ev.flattened(loss_curve(name), rounds).astype(float),
-        }
-        for name, a in acc.items()
+
+def _initial_models(model, data: protocol.StudyData):
+    """Seed ``s``'s initial model from ``key(s)``: ``[S]`` of them, or the tuning draw's
+    one (its folds start from it)."""
+    init = lambda k: models.init_params(model, k, (1, 784))
+    if data.cv.num_folds:
+        return init(jax.random.key(data.seeds[0]))
+    return jax.vmap(init)(jax.vmap(jax.random.key)(jnp.asarray(data.seeds)))
+
+
+def _values(o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
+    """A method's columns per seed: test accuracies (%), the final training loss, its
+    drop over the last fifth of the rounds and whether it flattened there."""
+    acc, counts = 100 * o.curves["test_acc"][:, -1], np.asarray(data.cv.evals.counts, float)
+    loss, late = o.curves["train_loss"], ev.tail_start(np.asarray(o.rounds))  # [S, T]
+    return {
+        "test_acc": acc.mean(1),
+        "pooled_acc": (acc * counts).sum(1) / counts.sum(1),
+        "train_loss": loss[:, -1],
+        "loss_drop": loss[:, late] - loss[:, -1],
+        "flattened": ev.flattened(loss, o.rounds).astype(float),
     }
-    rows = protocol.study_rows(values, outcomes, paired="test_acc", choice="chosen", choices=labels)
+
+
+def _ifca_in_use(outcomes) -> list[int] | None:
+    """IFCA's clusters in use at the end: distinct client models per seed."""
+    if "IFCA" not in outcomes:
+        return None
+    leaves = [a.reshape(a.shape[:2] + (-1,)) for a in jax.tree.leaves(outcomes["IFCA"].params)]
+    return [int(np.unique(v, axis=0).shape[0]) for v in np.concatenate(leaves, -1)]
+
+
+def study(cfg: Config, tag: str = "") -> protocol.Study:
+    """The comparison: grids chosen on writer draw :data:`TUNING_SEED`, then every method
+    trained on every seed's writers."""
+    sfx, S = f"_{tag}" if tag else "", cfg.seeds
+    model, loss, _, _, personal = _setup(cfg)
+    methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
+    kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
+
+    def draw(seed: int) -> protocol.Draw:  # extras: the writers
+        d = load_leaf(cfg.data_dir, seed=seed, **kw)
+        return protocol.Draw(d.train, d.test, list(d.writers))
+
+    def t_chosen(result) -> float:
+        return float(result.tuning["points"]["Karula"]["t"]) if cfg.t_grid else cfg.t
+
+    def notes(result) -> list[str]:
+        rates, grids = result.member_kwargs["rates"], result.tuning["grids"]
+        return [
+            f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
+            f"{cfg.min_samples} training digits, the initial model, participation and "
+            f"minibatches. ± is 2 standard errors over seeds; 'Karula minus method' is the "
+            f"paired difference of the seeds' mean accuracies, decided when it exceeds its 2 SE.",
+            f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
+            f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, "
+            f"{'inverted' if cfg.invert else 'LEAF'} pixels, {_rates_text(cfg)} (library "
+            "rates, seed 0: "
+            + ", ".join(f"{k} {_short(v[0])}" for k, v in rates.items())
+            + f"). Karula: t = {t_chosen(result):g} on D ({cfg.norm} norm), output layer "
+            f"personalized (also in the penalty and FedPer); the FedAvg family: "
+            f"{cfg.local_steps} local steps; IFCA: {cfg.ifca_clusters} independently "
+            f"initialized clusters, in use at the end per seed: {_ifca_in_use(result.outcomes)}.",
+            f"Grids decided by 2-fold CV on writer draw {TUNING_SEED}: "
+            + "; ".join(f"{m}: {', '.join(labels)}" for m, labels in grids.items())
+            + ". Runtime: all seeds of a method, compilation included.",
+            "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
+            "FedAvg 84.4 ± 2.39, IFCA 83.9 ± 2.60.",
+            f"Flattened: over the last fifth of the rounds a seed's training loss stays within "
+            f"2% of its total decrease of its final value (`karula_jax.evaluation.flattened`); "
+            f"the 'loss drop' column is the seed mean's drop there; curves{sfx}.png shows "
+            "every curve.",
+        ]
+
+    def summary(result) -> dict:
+        data, writers = result.data, result.data.extras
+        trio = reporting.client_triplet(np.asarray(data.D[0]), np.random.default_rng(7))
+        params = result.outcomes["Karula"].params
+        return {
+            "ifca_clusters_in_use": _ifca_in_use(result.outcomes),
+            "karula_active_fraction": _active(params, data.D, t_chosen(result), personal).tolist(),
+            "writers": list(writers),
+            "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
+        }
+
+    def figures(result) -> dict:
+        o, data = result.outcomes, result.data
+        curves = {
+            m: {
+                "train_loss": c.curves["train_loss"],
+                "test_acc": 100 * c.curves["test_acc"].mean(-1),
+            }
+            for m, c in o.items()
+        }
+        panels = (
+            ("train_loss", "training loss"),
+            ("test_acc", "mean per-writer test accuracy (%)"),
+        )
+        title = f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)"
+        trio = functools.partial(
+            reporting.plot_client_triplet,
+            jax.tree.map(lambda a: a[0], data.cv.train),
+            [f"writer {w} (client {i})" for i, w in enumerate(data.extras[0])],
+            np.asarray(data.D[0]),
+            invert=cfg.invert,
+            title=f"Dissimilarities D ({cfg.norm} norm) between three FEMNIST writers (seed 0)",
+        )
+        return {
+            f"curves{sfx}.png": functools.partial(
+                reporting.plot_curves, o["Karula"].rounds, curves, panels=panels, title=title
+            ),
+            f"clients{sfx}.png": trio,
+        }
+
     columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
     columns += [("pooled_acc", "pooled test acc. (%)")]
     columns += [("karula_minus", "Karula minus method (paired)")]
     columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
-    columns += [("loss_drop", f"training loss drop, rounds {int(rounds[late])}-{cfg.rounds}")]
+    rounds = np.arange(1, cfg.rounds // cfg.eval_every + 1) * cfg.eval_every  # recorded
+    late = f"rounds {int(rounds[ev.tail_start(rounds)])}-{cfg.rounds}" if len(rounds) > 1 else ""
+    columns += [("loss_drop", f"training loss drop, {late or 'last fifth'}")]
     columns += [("flattened", "flattened (share of seeds)")]
-    columns += [("chosen", "CV choice (tuning draw)"), ("runtime_s", "runtime (s)")]
-    rates = kw["rates"]
-    notes = [
-        f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
-        f"{cfg.min_samples} training digits, the initial model, participation and minibatches. "
-        f"± is 2 standard errors over seeds; 'Karula minus method' is the paired difference of "
-        f"the seeds' mean accuracies, decided when it exceeds its 2 SE.",
-        f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
-        f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, {'inverted' if cfg.invert else 'LEAF'} "
-        f"pixels, {_rates_text(cfg)} (library rates, seed 0: "
-        + ", ".join(f"{k} {_short(v[0])}" for k, v in rates.items())
-        + f"). Karula: t = {t:g} on D ({cfg.norm} norm), output layer personalized (also "
-        f"in the penalty and FedPer); the FedAvg family: {cfg.local_steps} local "
-        f"steps; IFCA: {cfg.ifca_clusters} independently initialized clusters, in use at the "
-        f"end per seed: {ifca_used}.",
-        f"Grids decided by 2-fold CV on writer draw {TUNING_SEED}: "
-        + "; ".join(f"{m}: {', '.join(methods[m].labels())}" for m in chosen)
-        + ". Runtime: all seeds of a method, compilation included.",
-        "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
-        "FedAvg 84.4 ± 2.39, IFCA 83.9 ± 2.60.",
-        f"Flattened: over the last fifth of the rounds a seed's training loss stays within 2% "
-        f"of its total decrease of its final value (`karula_jax.evaluation.flattened`); the "
-        f"'loss drop' column is the seed mean's drop there; curves{sfx}.png shows every curve.",
-    ]
-    curves = {
-        m: {
-            "train_loss": o.curves["train_loss"],
-            "test_acc": 100 * o.curves["test_acc"].mean(-1),
-        }
-        for m, o in outcomes.items()
-    }
-    plot_curves = functools.partial(
-        reporting.plot_curves,
-        outcomes["Karula"].rounds,
-        curves,
-        panels=(("train_loss", "training loss"), ("test_acc", "mean per-writer test accuracy (%)")),
-        title=f"FEMNIST, {cfg.num_clients} writers, ±2 SE over {S} seeds (writer draws)",
-    )
-    # Karula's constraints: the fraction active at the end, per seed
-    active = _active(outcomes["Karula"].params, data.D, t, personal).tolist()
-    trio = reporting.plot_client_triplet(
-        jax.tree.map(lambda a: a[0], train),
-        [f"writer {w} (client {i})" for i, w in enumerate(writers[0])],
-        np.asarray(data.D[0]),
-        out / f"clients{sfx}.png",
-        invert=cfg.invert,
-        title=f"Dissimilarities D ({cfg.norm} norm) between three FEMNIST writers (seed 0)",
-    )
-    summary = {
-        "config": dataclasses.asdict(cfg),
-        "chosen": chosen,
-        "chosen_labels": labels,
-        "ifca_clusters_in_use": ifca_used,
-        "karula_active_fraction": active,
-        "embedding_converged": converged,
-        "writers": list(writers),
-        "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
-        "rows": rows,
-        "per_seed": {
-            m: {k: np.asarray(v).tolist() for k, v in c.items()} for m, c in values.items()
-        },
-        "total_seconds": time.perf_counter() - t_start,
-    }
-    protocol.write_study(
-        out,
-        rows,
-        columns,
+    columns += [("cv_choice", "CV choice (tuning draw)"), ("runtime_s", "runtime (s)")]
+    return protocol.Study(
         title=f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}",
+        config=cfg,
+        draw=draw,
+        seeds=S,
+        num_folds=2,
+        num_rounds=cfg.rounds,
+        methods=lambda _: methods,
+        params=functools.partial(_initial_models, model),
+        eval_fn=None,  # _options
+        score=None,
+        values=_values,
+        paired="test_acc",
+        columns=columns,
+        embed=dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
+        | {"num_classes": 10},
+        member_kwargs=functools.partial(_member_kwargs, cfg, model),
+        keys=lambda data: (
+            jax.vmap(jax.random.key)(jnp.asarray(data.seeds))
+            if data.cv.num_folds  # the tuning draw: its seed's key
+            else jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 1))(
+                jnp.asarray(data.seeds)
+            )
+        ),
+        embed_keys=jax.random.key(0),
+        cluster_grid=cfg.cluster_grid,
+        fold_keys=lambda seeds: jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+        tuning_seeds=(TUNING_SEED,),
         notes=notes,
+        summary=summary,
+        figures=figures,
         digits=dict(
             test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1, loss_drop=4, flattened=2
         ),
-        summary=summary,
-        figures={f"curves{sfx}.png": plot_curves},
+        options=functools.partial(_options, cfg, model),
         table=f"table{sfx}",
         json=f"summary{sfx}.json",
     )
-    print(f"wrote {out} in {summary['total_seconds']:.0f}s")
-    return summary
+
+
+def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
+    """Tunes the grids, trains every method on every seed; writes tables and figures."""
+    return protocol.run_study(study(cfg, tag), out).summary
 
 
 def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
@@ -494,9 +505,9 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
     }
     if "FedPer" in cfg.methods:
         methods["FedPer"] = base["FedPer"]
-    data = _study_data(cfg, S, 0)
+    data = protocol.study_data(study(cfg))  # the seeds' writers, no folds
     test = data.cv.evals
-    kw = _member_kwargs(cfg, model, data, seed_keys, params0)
+    kw = data.member_kwargs(**_member_kwargs(cfg, model, data))
     outcomes = protocol.compare(
         methods,
         params0,

@@ -33,6 +33,7 @@ from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
 __all__ = [
     "choice_counts",
     "cli",
+    "client_triplet",
     "comparison_rows",
     "keyword_option",
     "markdown_table",
@@ -320,6 +321,14 @@ def plot_lines(x, panels, path, *, xlabel: str, ylabel: str, log: bool = True, t
     plt.close(fig)
 
 
+def client_triplet(D, rng: np.random.Generator) -> list[int]:
+    """``[random, nearest, farthest]``: a client drawn by ``rng`` among the ``n`` of ``D``
+    ``[n, n]`` (``n >= 3``), and the other clients nearest and farthest from it by ``D``."""
+    a = int(rng.integers(D.shape[0]))
+    others = np.delete(np.arange(D.shape[0]), a)
+    return [a, int(others[np.argmin(D[a, others])]), int(others[np.argmax(D[a, others])])]
+
+
 def plot_client_triplet(data, names, D, path, *, seed=7, invert=False, roles=None, title=None):
     """A random client, its nearest and its farthest client by ``D``, with samples of each.
 
@@ -343,9 +352,7 @@ def plot_client_triplet(data, names, D, path, *, seed=7, invert=False, roles=Non
     D = np.asarray(D)
     counts, x, y = np.asarray(data.counts), np.asarray(data.x), np.asarray(data.y)
     rng = np.random.default_rng(seed)
-    a = int(rng.integers(D.shape[0]))
-    others = np.delete(np.arange(D.shape[0]), a)
-    trio = [a, int(others[np.argmin(D[a, others])]), int(others[np.argmax(D[a, others])])]
+    trio = client_triplet(D, rng)
     classes = sorted(set.intersection(*(set(y[i, : counts[i]].tolist()) for i in trio)))[:8]
     images = []
     for i in trio:

@@ -93,10 +93,10 @@ def test_quick_run_writes_figures_and_tables(tmp_path, shared_data_dir):
         assert r["karula_minus_decided"] in ("yes", "no", "-")
     by_method = {r["method"]: r for r in rows}
     assert float(by_method["Karula"]["karula_minus"]) == 0.0
-    assert by_method["Ditto"]["chosen"].startswith("lam=")  # decided by CV on the tuning draw
+    assert by_method["Ditto"]["cv_choice"].startswith("lam=")  # decided by CV on the tuning draw
     # so is Karula's t (--t-grid), reported with the active pairs at that t
-    assert by_method["Karula"]["chosen"] in ("t=0", "t=20", "t=inf")
-    t = summary["chosen"]["Karula"]["t"]
+    assert by_method["Karula"]["cv_choice"] in ("t=0", "t=20", "t=inf")
+    t = summary["tuning"]["points"]["Karula"]["t"]
     assert f"Karula: t = {t:g} on D" in (tmp_path / "table.md").read_text()
     # CV picks t = 0 on this tuning draw (the pinned values below are at that t): every
     # pair active at the end of both seeds

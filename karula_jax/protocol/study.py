@@ -97,6 +97,7 @@ class StudyData(NamedTuple):
       converged: ``[B, n]`` bool, whether each client's transport problem converged.
       extras: the draws' extras, one per seed.
       embed_keys: the keys D was computed with, one or ``[B]``.
+      seeds: the seeds drawn, ``S`` of them.
     """
 
     cv: CVData
@@ -105,6 +106,7 @@ class StudyData(NamedTuple):
     converged: np.ndarray
     extras: tuple
     embed_keys: jax.Array
+    seeds: tuple[int, ...] = ()
 
     def member_kwargs(self, **more) -> dict[str, Any]:
         """The methods' member arguments (:func:`~karula_jax.protocol.build_methods`):
@@ -158,7 +160,8 @@ def draw_study(
     D = mean_normalized(D) if normalize_D else D
     extras = tuple(d.extras for d in draws)
     converged = np.asarray(info.converged)
-    return StudyData(cv, D, cluster_labels(D, cluster_grid), converged, extras, embed_keys)
+    labels = cluster_labels(D, cluster_grid)
+    return StudyData(cv, D, labels, converged, extras, embed_keys, tuple(seeds))
 
 
 def selected(names: Sequence[str], order: Sequence[str] | None = None, reference="Karula") -> list:
@@ -278,6 +281,9 @@ class StudyResult(NamedTuple):
       seconds: wall clock from the first draw to the end of the runs.
       summary: the JSON summary (empty while the notes are written).
       member_kwargs: what the study's ``member_kwargs`` gave (``{name: [B, ...]}``).
+      tuning: with ``Study.tuning_seeds``, the CV on the tuning draws: ``seeds``,
+        ``grids`` (``{method: labels}``), ``chosen`` (labels), ``points``, ``cv_score``,
+        ``embedding_converged``; else empty.
     """
 
     data: StudyData
@@ -287,6 +293,7 @@ class StudyResult(NamedTuple):
     seconds: float
     summary: dict[str, Any]
     member_kwargs: dict[str, Any] = {}
+    tuning: dict[str, Any] = {}
 
 
 class Study(NamedTuple):
@@ -309,8 +316,14 @@ class Study(NamedTuple):
       embed: keywords of :func:`karula_jax.embedding.dissimilarities`.
       member_kwargs: ``member_kwargs(data) -> {name: [B, ...]}``, member arguments
         besides ``D`` and ``labels`` (e.g. smoothness constants), or None.
-      keys: the seeds' run keys ``[S]`` (default ``split(key(0), S)``).
-      embed_keys, cluster_grid, normalize_D: of :func:`draw_study`.
+      keys: the seeds' run keys ``[S]`` (default ``split(key(0), S)``), or
+        ``keys(data) -> [S]`` (e.g. from ``data.seeds``).
+      embed_keys, cluster_grid, normalize_D: of :func:`draw_study`; ``fold_keys``:
+        ``fold_keys(seeds) -> [S]`` keys of :func:`draw_study`, or None (its default).
+      tuning_seeds: if given, the grids are chosen on these separate draws instead (CV
+        with ``num_folds`` folds; the first draw's choice, :func:`fix_choices`), and the
+        ``seeds`` draws train final fits only, at the chosen points; the table's CV
+        column then shows the choice and the summary's ``"tuning"`` holds the CV.
       notes: ``notes(result) -> lines`` under the table, or None.
       summary: ``summary(result) -> dict``, entries added to the JSON summary, or None.
       figures: ``figures(result) -> {file name: draw(path)}`` (:func:`write_study`), or None.
@@ -318,7 +331,7 @@ class Study(NamedTuple):
       options: further keywords of :func:`~karula_jax.protocol.compare` (``describe``,
         ``eval_data``, ``fold_weights``...; they override ``eval_fn`` and ``score``), or
         ``options(data) -> keywords`` where they depend on the data.
-      json: the JSON summary's file name.
+      json, table: the JSON summary's and the table's file names (without extension).
       command: the command line that ran the study, quoted in the last note with the
         runtime ("" for none).
     """
@@ -342,27 +355,81 @@ class Study(NamedTuple):
     embed_keys: jax.Array | None = None
     cluster_grid: Sequence[int] = ()
     normalize_D: bool = False
+    fold_keys: Callable[[Sequence[int]], jax.Array] | None = None
+    tuning_seeds: Sequence[int] = ()
     notes: Callable[[StudyResult], Sequence[str]] | None = None
     summary: Callable[[StudyResult], Mapping[str, Any]] | None = None
     figures: Callable[[StudyResult], Mapping[str, Callable[[pathlib.Path], Any]]] | None = None
     digits: Mapping[str, int] | None = None
     options: Mapping[str, Any] | Callable[[StudyData], Mapping[str, Any]] | None = None
     json: str = "summary.json"
+    table: str = "table"
     command: str = ""
 
 
-def study_data(study: Study, *, log: Callable[[str], None] = print) -> StudyData:
-    """The :class:`StudyData` of ``study`` (:func:`draw_study` with its settings)."""
+def study_data(
+    study: Study,
+    *,
+    seeds: Sequence[int] | None = None,
+    num_folds: int | None = None,
+    log: Callable[[str], None] = print,
+) -> StudyData:
+    """The :class:`StudyData` of ``study`` (:func:`draw_study` with its settings) on
+    ``seeds`` (default ``study.seeds``) with ``num_folds`` folds (default: the study's, 0
+    with ``tuning_seeds``: final fits only)."""
+    seeds = list(range(study.seeds)) if seeds is None else [int(s) for s in seeds]
+    if num_folds is None:
+        num_folds = 0 if study.tuning_seeds else study.num_folds
     return draw_study(
         study.draw,
-        study.seeds,
-        num_folds=study.num_folds,
+        seeds,
+        num_folds=num_folds,
         embed=study.embed,
+        fold_keys=study.fold_keys(seeds) if study.fold_keys and num_folds else None,
         embed_keys=study.embed_keys,
         normalize_D=study.normalize_D,
         cluster_grid=study.cluster_grid,
         log=log,
     )
+
+
+def _compare(study: Study, methods, data: StudyData, log, **extra) -> tuple[dict, dict]:
+    """:func:`~karula_jax.protocol.compare` of ``methods`` on ``data`` with the study's
+    keys, rounds, evaluation, member arguments and options (``extra`` last): ``({name:
+    CVOutcome}, the study's member arguments)``."""
+    keys = study.keys(data) if callable(study.keys) else study.keys
+    more = dict(study.member_kwargs(data)) if study.member_kwargs else {}
+    options = study.options(data) if callable(study.options) else study.options
+    kw = dict(
+        keys=jax.random.split(jax.random.key(0), len(data.seeds)) if keys is None else keys,
+        num_rounds=study.num_rounds,
+        eval_fn=study.eval_fn,
+        score=study.score,
+        member_kwargs=data.member_kwargs(**more),
+        log=log,
+    )
+    params = study.params(data) if callable(study.params) else study.params
+    return compare(methods, params, data.cv, **kw | dict(options or {}) | extra), more
+
+
+def _tune(study: Study, methods: dict[str, Method], log) -> tuple[dict, dict, dict]:
+    """The methods at the points CV chose on the study's tuning draws:
+    ``(methods, {name: label}, tuning summary)``."""
+    data = study_data(study, seeds=study.tuning_seeds, num_folds=study.num_folds, log=log)
+    grids = {name: m for name, m in methods.items() if len(m.points()) > 1}
+    outcomes, _ = _compare(study, grids, data, log, final_fits=False)
+    fixed, points = fix_choices(methods, outcomes)
+    labels = {name: methods[name].labels()[0] for name in points}  # one-point grids
+    labels |= {name: o.chosen_labels[0] for name, o in outcomes.items()}
+    summary = {
+        "seeds": list(data.seeds),
+        "grids": {m: g.labels() for m, g in grids.items()},
+        "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
+        "points": points,
+        "cv_score": {m: o.cv_score for m, o in outcomes.items()},
+        "embedding_converged": bool(data.converged.all()),
+    }
+    return fixed, labels, summary
 
 
 def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = print):
@@ -384,27 +451,14 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     methods = dict(study.methods(data))
     log(f"every embedding converged: {bool(data.converged.all())}")
     log("CV grids: " + describe_grids(methods))
-    more = dict(study.member_kwargs(data)) if study.member_kwargs else {}
-    options = study.options(data) if callable(study.options) else study.options
-    outcomes = compare(
-        methods,
-        study.params(data) if callable(study.params) else study.params,
-        data.cv,
-        **dict(
-            keys=jax.random.split(jax.random.key(0), study.seeds)
-            if study.keys is None
-            else study.keys,
-            num_rounds=study.num_rounds,
-            eval_fn=study.eval_fn,
-            score=study.score,
-            member_kwargs=data.member_kwargs(**more),
-            log=log,
-        )
-        | dict(options or {}),
-    )
+    labels, tuning = None, {}
+    if study.tuning_seeds:
+        methods, labels, tuning = _tune(study, methods, log)
+    outcomes, more = _compare(study, methods, data, log)
     values = {name: study.values(o, data) for name, o in outcomes.items()}
-    rows = study_rows(values, outcomes, paired=study.paired)
-    result = StudyResult(data, methods, outcomes, [], time.perf_counter() - t0, {}, more)
+    rows = study_rows(values, outcomes, paired=study.paired, choices=labels)
+    seconds = time.perf_counter() - t0
+    result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning)
     # Every method whose runs projected reports its worst certified gap and the rounds
     # that did not converge, next to the table (all CV and final runs of all seeds).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
@@ -416,9 +470,10 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     summary = {
         "config": dataclasses.asdict(study.config),
         "grid": {m: o.labels for m, o in outcomes.items()},
-        "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
+        "chosen": labels or {m: o.chosen_labels for m, o in outcomes.items()},
         "cv_score": {m: o.cv_score for m, o in outcomes.items() if o.cv_score is not None},
         "per_seed": values,
+        **({"tuning": tuning} if tuning else {}),
         "embedding_converged": bool(data.converged.all()),
         "projection": projection,
         "rows": rows,
@@ -436,6 +491,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         digits=study.digits,
         summary=summary,
         figures=study.figures(result) if study.figures else None,
+        table=study.table,
         json=study.json,
         log=log,
     )
