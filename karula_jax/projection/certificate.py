@@ -37,13 +37,20 @@ def dual_eval(lam, red, *, gram, certify=False):
     Gram matrix (one product; rounding up to ``eps (|theta_i|^2 + |theta_j|^2)``) instead
     of explicit differences (``O(n^2 k)`` work and memory).
     """
-    mask = dual_mask(red)
     a = _system(lam, red)
     a_inv = _linalg.inv_spd_dominant(a)
     a_inv = 0.5 * (a_inv + a_inv.T)
     rhs = red.mass[:, None] * red.w
     th = a_inv @ rhs
     gm = th @ th.T
+    ev = _at(lam, th, a_inv, gm, red, gram=gram)
+    return certified(lam, ev, red) if certify else ev
+
+
+def _at(lam, th, a_inv, gm, red, *, gram):
+    """The :class:`DualEval` of ``theta(lam) = th``: ``g`` (uncertified) and its gradient
+    from the squared distances (through ``gm`` with ``gram``, else exact)."""
+    mask = dual_mask(red)
     if gram:
         sq = jnp.diag(gm)
         d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
@@ -51,15 +58,17 @@ def dual_eval(lam, red, *, gram, certify=False):
         d2 = sq_dists_exact(th)
     slack = jnp.where(mask, d2 - jnp.where(mask, red.radius, 0.0) ** 2, 0.0)
     g = primal_value(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
-    if certify:
-        g = g - _residual_term(a, th, red)
     return DualEval(th, g, 0.5 * slack, a_inv, gm)
 
 
-def certified(lam, ev, red):
+def certified(lam, ev, red, *, exact=False):
     """``ev``, an evaluation ``dual_eval(lam, red, certify=False)``, with its ``g`` made a
     certified bound, as ``certify=True`` would have returned it: one ``[n, n] x [n, k]``
-    product instead of a new evaluation (and its inverse)."""
+    product instead of a new evaluation (and its inverse). ``exact``: its distances (so
+    ``g`` and the gradient) measured again by explicit differences, as ``gram=False``
+    would have, where ``ev`` took them from the Gram matrix."""
+    if exact:
+        ev = _at(lam, ev.th, ev.a_inv, ev.gram, red, gram=False)
     return ev._replace(g=ev.g - _residual_term(_system(lam, red), ev.th, red))
 
 

@@ -123,35 +123,34 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             new, ev_new, ok = line_search(lam, ev, s, s_diag, running, evaluate)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
-            _, delta = certify(ev, gram)
+            th, delta = certify(ev, gram)
             # A failed line search means float precision is exhausted: stop there.
-            return lam, ev, delta, it + 1, should_stop(delta, red, tol) | ~ok, ok
+            return lam, ev, (th, delta), it + 1, should_stop(delta, red, tol) | ~ok, ok
 
-        _, delta = certify(ev, gram)
-        init = (lam, ev, delta, it, should_stop(delta, red, tol) | stopped, jnp.array(True))
-        lam, ev, _, it, _, _ = jax.lax.while_loop(cond, body, init)
-        return lam, ev, it
+        cert = certify(ev, gram)
+        stop = should_stop(cert[1], red, tol) | stopped
+        init = (lam, ev, cert, it, stop, jnp.array(True))
+        lam, ev, cert, it, _, _ = jax.lax.while_loop(cond, body, init)
+        return lam, ev, it, cert
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
-    # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients; above,
-    # phase 0's last evaluation recertified by ``certified``), the first of them the final
-    # certificate; it iterates only where that misses ``tol`` after phase 0's values met it
-    # (rare, float32 near ``tol``), so under vmap it usually takes no trip. The
-    # two phases are two trips of one loop (its index is the same for every member under
-    # vmap, so the choice of evaluation stays a branch), which compiles the Newton
-    # iteration once.
+    # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients), the
+    # first of them phase 0's last evaluation recertified (``certified``, no new inverse)
+    # and the final certificate; it iterates only where that misses ``tol`` after phase
+    # 0's values met it (rare, float32 near ``tol``), so under vmap it usually takes no
+    # trip. The two phases are two trips of one loop (its index is the same for every
+    # member under vmap, so the choice of evaluation stays a branch), which compiles the
+    # Newton iteration once.
     fast = functools.partial(dual_eval, red=red, gram=True)
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
 
-    def phase(i, carry):
-        lam, ev, it = carry
-        evaluate = lambda x: jax.lax.cond(i == 0, fast, exact, x)  # noqa: E731
-        recertify = lambda: certified(lam, ev, red) if gram else exact(lam)  # noqa: E731
-        ev = jax.lax.cond(i == 0, lambda: ev, recertify)
-        return ascend(lam, ev, it, skip, evaluate)
-
-    lam, ev, it = jax.lax.fori_loop(0, 2, phase, (lam0, fast(lam0), jnp.int32(0)))
-    th, delta = certify(ev, False)
+    ev = fast(lam0)
+    lam, ev, it, _ = ascend(lam0, ev, jnp.int32(0), skip, fast)
+    ev = certified(lam, ev, red, exact=not gram)
+    lam, ev, it, cert = ascend(lam, ev, it, skip, exact)
+    # Below ``_GRAM_ABOVE`` clients phase 1's last certificate is the final one (exact
+    # distances); above, the final one measures them exactly.
+    th, delta = certify(ev, False) if gram else cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
