@@ -23,6 +23,7 @@ __all__ = ["solve"]
 # Hessian-vector product costs O(n^3).
 _CG_MAX_ITER = 10
 _CG_MAX_ITER_LARGE = 5
+_CG_RTOL = 0.1
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
 _GRAM_ABOVE = 96
@@ -213,7 +214,13 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
     op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
     s = _pcg(
-        op, b, jnp.where(free, pre, 1.0), _pair_dot, rtol=0.1, max_iter=cg_iter, running=running
+        op,
+        b,
+        jnp.where(free, pre, 1.0),
+        _pair_dot,
+        rtol=_CG_RTOL,
+        max_iter=cg_iter,
+        running=running,
     )
     return jnp.where(free, s, s_fixed), jnp.where(mask, diag_step, 0.0)
 
