@@ -283,7 +283,8 @@ class StudyResult(NamedTuple):
       member_kwargs: what the study's ``member_kwargs`` gave (``{name: [B, ...]}``).
       tuning: with ``Study.tuning_seeds``, the CV on the tuning draws: ``seeds``,
         ``grids`` (``{method: labels}``), ``chosen`` (labels), ``points``, ``cv_score``,
-        ``embedding_converged``; else empty.
+        ``projection`` (reports of the methods that project), ``embedding_converged``;
+        else empty.
     """
 
     data: StudyData
@@ -427,6 +428,7 @@ def _tune(study: Study, methods: dict[str, Method], log) -> tuple[dict, dict, di
         "chosen": {m: o.chosen_labels for m, o in outcomes.items()},
         "points": points,
         "cv_score": {m: o.cv_score for m, o in outcomes.items()},
+        "projection": {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics},
         "embedding_converged": bool(data.converged.all()),
     }
     return fixed, labels, summary
@@ -463,7 +465,12 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     # that did not converge, next to the table (all CV and final runs of all seeds).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
     notes = [*(study.notes(result) if study.notes else ())]
-    notes += [f"{m}'s {report} (all CV and final runs)." for m, report in projection.items()]
+    runs = "the seeds' runs" if tuning else "all CV and final runs"
+    notes += [f"{m}'s {report} ({runs})." for m, report in projection.items()]
+    notes += [
+        f"{m}'s {report} (CV on the tuning draws)."
+        for m, report in tuning.get("projection", {}).items()
+    ]
     cpu = time.process_time() - cpu0
     command = f" Command: `{study.command}`." if study.command else ""
     notes += [f"Runtime {result.seconds:.0f} s wall, {cpu:.0f} s CPU (all threads).{command}"]
