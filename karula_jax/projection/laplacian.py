@@ -107,9 +107,12 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         out = jax.lax.while_loop(cond, body, init)
         return out[1], out[2], out[3]
 
-    def ascend(lam, ev, it, stopped, evaluate):
+    def ascend(lam, ev, it, stopped, evaluate, exact_distances):
         """Newton iterations from ``lam`` (``ev`` its evaluation) until the certificate
-        meets ``tol``, ``it`` reaches ``max_iter`` or a line search fails."""
+        meets ``tol``, ``it`` reaches ``max_iter`` or a line search fails; returns
+        ``(lam, ev, it, (feasible theta, certified gap))``, the certificates measuring
+        distances exactly with ``exact_distances`` (else through the Gram matrix above
+        ``_GRAM_ABOVE`` clients)."""
 
         def cond(c):
             return (~c[4]) & (c[3] < max_iter)
@@ -124,11 +127,11 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             new, ev_new, ok = line_search(lam, ev, s, s_diag, running, evaluate)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
-            th, delta = certify(ev, gram)
+            th, delta = certify(ev, gram and not exact_distances)
             # A failed line search means float precision is exhausted: stop there.
             return lam, ev, (th, delta), it + 1, should_stop(delta, red, tol) | ~ok, ok
 
-        cert = certify(ev, gram)
+        cert = certify(ev, gram and not exact_distances)
         stop = should_stop(cert[1], red, tol) | stopped
         init = (lam, ev, cert, it, stop, jnp.array(True))
         lam, ev, cert, it, _, _ = jax.lax.while_loop(cond, body, init)
@@ -146,12 +149,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
 
     ev = fast(lam0)
-    lam, ev, it, _ = ascend(lam0, ev, jnp.int32(0), skip, fast)
+    lam, ev, it, _ = ascend(lam0, ev, jnp.int32(0), skip, fast, False)
     ev = certified(lam, ev, red, exact=not gram)
-    lam, ev, it, cert = ascend(lam, ev, it, skip, exact)
-    # Below ``_GRAM_ABOVE`` clients phase 1's last certificate is the final one (exact
-    # distances); above, the final one measures them exactly.
-    th, delta = certify(ev, False) if gram else cert
+    lam, ev, it, cert = ascend(lam, ev, it, skip, exact, True)
+    th, delta = cert  # phase 1 certifies with exact distances: its last is the answer
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
