@@ -150,3 +150,63 @@ def test_fix_choices_rows_and_writer(tmp_path):
     assert json.loads((tmp_path / "out" / "s.json").read_text()) == {"x": [0, 1]}
     assert (tmp_path / "out" / "table.md").read_text().endswith("a note\n")
     assert protocol.selected(("FedProx", "Local")) == ["Local", "Karula", "FedProx"]
+
+
+def test_tuning_draws_choose_the_grid_and_the_seeds_train_final_fits(tmp_path):
+    # With tuning_seeds the grid is chosen by CV on those draws alone (the choice equals a
+    # CV run by hand on them), the seeds' draws train final fits only at that point, and
+    # the hooks that depend on the data see which draws they serve (data.seeds).
+    cfg, seen = ToyConfig(), []
+    base = protocol.logistic_study(
+        draw,
+        cfg,
+        title="Toy tuned",
+        seeds=cfg.seeds,
+        num_folds=cfg.num_folds,
+        num_rounds=cfg.rounds,
+        lam=cfg.lam,
+        methods=cfg.methods,
+        clients_per_round=cfg.clients_per_round,
+        grids={"Karula": cfg.t_grid},
+        embed={"num_reference": 8, "epsilon": 0.5},
+    )
+
+    def keys(data):
+        seen.append((data.seeds, data.cv.num_folds))
+        return jax.vmap(jax.random.key)(np.asarray(data.seeds))
+
+    figures = lambda result: {"fig.png": lambda path: path.write_text(str(result.data.seeds))}  # noqa: E731
+    study = base._replace(tuning_seeds=(100,), keys=keys, figures=figures, table="table_t")
+    result = protocol.run_study(study, tmp_path, log=lambda _: None)
+    assert seen == [((0, 1), 0), ((100,), 2)] or seen == [((100,), 2), ((0, 1), 0)]
+    assert result.data.seeds == (0, 1) and result.data.cv.num_folds == 0
+    assert not any(m.tuned for m in result.methods.values())
+    tuning = result.summary["tuning"]
+    assert tuning["seeds"] == [100] and tuning["grids"] == {"Karula": ["t=0", "t=inf"]}
+    # the same CV by hand on the tuning draw
+    data = protocol.study_data(study, seeds=(100,), num_folds=2, log=lambda _: None)
+    grid = {"Karula": base.methods(data)["Karula"]}
+    more = base.member_kwargs(data)
+    by_hand = protocol.compare(
+        grid,
+        base.params(data),
+        data.cv,
+        keys=jax.random.key(100)[None],
+        num_rounds=cfg.rounds,
+        eval_fn=base.eval_fn,
+        score=base.score,
+        member_kwargs=data.member_kwargs(**more),
+        final_fits=False,
+        progress=False,
+        log=lambda _: None,
+    )
+    label = by_hand["Karula"].chosen_labels[0]
+    assert (
+        result.summary["chosen"] == {"Karula": label} == {"Karula": tuning["chosen"]["Karula"][0]}
+    )
+    with open(tmp_path / "table_t.csv") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert rows["Karula"]["cv_choice"] == label and rows["Local"]["cv_choice"] == ""
+    assert (tmp_path / "fig.png").read_text() == "(0, 1)"
+    assert (tmp_path / "summary.json").is_file()
+    assert result.summary["per_seed"]["Karula"]["test_acc"].shape == (2,)
