@@ -81,6 +81,11 @@ def test_a_new_data_set_is_a_config_and_a_draw_function(toy):
     assert summary["rows"] == result.rows and all(r["finite"] for r in result.rows)
     assert result.data.extras == ("seed 0", "seed 1")
     assert "CV grids: Karula: t=0, t=inf" in lines
+    # A method that projects reports its projection (here exact: t = 0 merges, t = inf
+    # never binds), one that does not, nothing.
+    assert "worst certified gap" in result.outcomes["Karula"].diagnostics
+    assert result.outcomes["Local"].diagnostics == ""
+    assert "Karula's projection: worst certified gap" in md
 
 
 def test_draw_study_lays_out_members_and_their_dissimilarities(toy):

@@ -194,7 +194,7 @@ def cross_validate(
                 desc=label,
                 **options,
             )
-        unconverged.append(_report(res.diagnostics, point, reports))
+        unconverged.append(_report(res.diagnostics, point, reports, always=method.projects))
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
         m["finite"] = np.asarray(res.info.finite).all(axis=0)
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
@@ -227,10 +227,11 @@ def cross_validate(
     )
 
 
-def _report(diagnostics: dict, point: str, reports: list[str]) -> bool:
-    """Appends a run's projection report to ``reports`` when it was inexact; returns
-    whether some round stopped at the iteration cap."""
-    if diagnostics["unconverged_rounds"] or diagnostics["worst_proj_delta"] > 0:
+def _report(diagnostics: dict, point: str, reports: list[str], *, always=False) -> bool:
+    """Appends a run's projection report to ``reports`` when it was inexact, or
+    ``always`` (a method that projects: its report also when the screen answered every
+    round); returns whether some round stopped at the iteration cap."""
+    if always or diagnostics["unconverged_rounds"] or diagnostics["worst_proj_delta"] > 0:
         reports.append((f"{point}: " if point else "") + describe_diagnostics(diagnostics))
     return bool(diagnostics["unconverged_rounds"])
 

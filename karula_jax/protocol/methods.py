@@ -57,6 +57,8 @@ class Method(NamedTuple):
       edges: for a grid of several axes (:func:`cross_choice`), ``edges(index) -> bool``
         per chosen index ``[S]``: the choice is on an edge of an axis that is not a
         natural limit; None: :meth:`edge` applies ``natural`` to the list of points.
+      projects: whether its rounds project (Karula): its outcomes then always carry the
+        projection's report (worst certified gap, unconverged rounds).
     """
 
     make: Callable[..., Algorithm]
@@ -65,6 +67,7 @@ class Method(NamedTuple):
     label: Callable[[Mapping[str, Any]], str] | None = None
     natural: Callable[[Mapping[str, Any]], bool] | None = None
     edges: Callable[[np.ndarray], np.ndarray] | None = None
+    projects: bool = False
 
     @property
     def tuned(self) -> bool:
@@ -195,6 +198,7 @@ class MethodRow(NamedTuple):
       shown: the hyperparameter's name in labels (default ``hyper``).
       natural: ``natural(value) -> bool``, a value beyond which no wider grid exists;
         None: a value of 0 or inf (``"choice"``: a value of 1).
+      projects: whether the method's rounds project (:attr:`Method.projects`).
     """
 
     name: str
@@ -207,6 +211,7 @@ class MethodRow(NamedTuple):
     kind: str = "traced"
     shown: str | None = None
     natural: Callable[[Any], bool] | None = None
+    projects: bool = False
 
     def method(
         self,
@@ -242,21 +247,24 @@ class MethodRow(NamedTuple):
         make = functools.partial(_build, self, loss, rates, fixed)
         grid = self.grid if grid is None else grid
         if self.hyper is None:
-            return Method(make)
+            return Method(make, projects=self.projects)
         if grid is None:
             raise ValueError(f"{self.name}: no grid or value of {self.hyper} (row or study)")
         if not isinstance(grid, tuple | list):  # a fixed value
-            return Method(functools.partial(make, **{self.hyper: grid}))
+            return Method(functools.partial(make, **{self.hyper: grid}), projects=self.projects)
         shown, hyper = self.shown or self.hyper, self.hyper
         if self.kind == "choice":
             natural = self.natural or (lambda c: c == 1)
-            return Method(make, **choice_grid(hyper, grid, natural=natural))
+            return Method(make, **choice_grid(hyper, grid, natural=natural), projects=self.projects)
         natural = None if self.natural is None else (lambda p: self.natural(p[hyper]))
         if self.kind == "static":
             label = lambda p: f"{shown}={_text(p[hyper])}"
             static = [{hyper: v} for v in grid]
-            return Method(make, static_grid=static, label=label, natural=natural)
-        return Method(make, **scalar_grid(hyper, grid, shown=shown), natural=natural)
+            return Method(
+                make, static_grid=static, label=label, natural=natural, projects=self.projects
+            )
+        grid = scalar_grid(hyper, grid, shown=shown)
+        return Method(make, **grid, natural=natural, projects=self.projects)
 
 
 def _text(value) -> str:
@@ -334,6 +342,7 @@ _ROWS = (
         rates={"learning_rate": "karula"},
         members=_D,
         settings=_COMMON,
+        projects=True,
     ),
     MethodRow(
         "FedProx",
@@ -380,6 +389,7 @@ _VARIANTS = (
         rates={},
         members=_D,
         settings=_COMMON,
+        projects=True,
     ),
     MethodRow("FedPer", _fedper),
 )

@@ -193,7 +193,10 @@ def fix_choices(
         name: m.points()[outcomes[name].chosen[seed] if name in outcomes else 0]
         for name, m in methods.items()
     }
-    fixed = {name: Method(functools.partial(m.make, **points[name])) for name, m in methods.items()}
+    fixed = {
+        name: Method(functools.partial(m.make, **points[name]), projects=m.projects)
+        for name, m in methods.items()
+    }
     return fixed, {name: p for name, p in points.items() if p}
 
 
