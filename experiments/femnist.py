@@ -76,6 +76,9 @@ class Config:
       t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
         Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
         when ``methods`` holds it.
+      tuning_draws: writer draws the grids are chosen on (``TUNING_SEED`` and the next
+        ones); with several, the point of the lowest CV score averaged over them
+        (:func:`karula_jax.protocol.pooled_choice`).
     """
 
     data_dir: str = str(DATA_DIR / "femnist")
@@ -110,6 +113,7 @@ class Config:
     cluster_grid: tuple[int, ...] = (2, 3, 5, 8, 15)
     methods: tuple[str, ...] = METHODS
     t_sweep: tuple[float, ...] = ()
+    tuning_draws: int = 1
 
 
 def quick_config(cfg: Config) -> Config:
@@ -267,6 +271,8 @@ def main(argv=None) -> dict:
         out=OUTPUT / "femnist",
         tag=dict(default="", help="suffix of the output file names"),
     )
+    if cfg.tuning_draws < 1:
+        raise ValueError(f"tuning_draws must be >= 1, got {cfg.tuning_draws}")
     if cfg.rates not in ("paper", "default", "cv"):
         raise ValueError(f"rates must be 'paper', 'default' or 'cv', got {cfg.rates!r}")
     if cfg.rounds % cfg.eval_every:
@@ -288,8 +294,9 @@ def _options(cfg: Config, model, data: protocol.StudyData) -> dict:
     """The runs' options: on the tuning draw, CV on the mean validation log-loss from
     one initial model; on the seeds' draws, each seed's initial model, curves every
     ``eval_every`` rounds of the weighted training loss and the test accuracy."""
-    if data.cv.num_folds:  # the tuning draw
+    if data.cv.num_folds:  # the tuning draws
         return dict(
+            params_per_seed=len(data.seeds) > 1,
             eval_fn=lambda p, d: {"nll": ev.log_loss(model.apply, p, d)},
             score=lambda v: v["nll"].mean(-1),
             describe=lambda o: f"CV on the tuning draw: {o.labels}",
@@ -318,10 +325,10 @@ def _options(cfg: Config, model, data: protocol.StudyData) -> dict:
 
 
 def _initial_models(model, data: protocol.StudyData):
-    """Seed ``s``'s initial model from ``key(s)``: ``[S]`` of them, or the tuning draw's
-    one (its folds start from it)."""
+    """Seed ``s``'s initial model from ``key(s)``: ``[S]`` of them, or a single tuning
+    draw's one (its folds start from it)."""
     init = lambda k: models.init_params(model, k, (1, 784))
-    if data.cv.num_folds:
+    if data.cv.num_folds and len(data.seeds) == 1:
         return init(jax.random.key(data.seeds[0]))
     return jax.vmap(init)(jax.vmap(jax.random.key)(jnp.asarray(data.seeds)))
 
@@ -365,6 +372,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
 
     def notes(result) -> list[str]:
         rates, grids = result.member_kwargs["rates"], result.tuning["grids"]
+        tuning = result.tuning["seeds"]
         return [
             f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
             f"{cfg.min_samples} training digits, the initial model, participation and "
@@ -379,7 +387,9 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
             f"personalized (also in the penalty and FedPer); the FedAvg family: "
             f"{cfg.local_steps} local steps; IFCA: {cfg.ifca_clusters} independently "
             f"initialized clusters, in use at the end per seed: {_ifca_in_use(result.outcomes)}.",
-            f"Grids decided by 2-fold CV on writer draw {TUNING_SEED}: "
+            f"Grids decided by 2-fold CV on writer draw {', '.join(map(str, tuning))}"
+            + " (the lowest CV score averaged over them)" * (len(tuning) > 1)
+            + ": "
             + "; ".join(f"{m}: {', '.join(labels)}" for m, labels in grids.items())
             + ". Runtime: all seeds of a method, compilation included.",
             "Paper (final mean test accuracy): Karula 91.3 ± 0.75, Local 89.3 ± 0.78, "
@@ -466,7 +476,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         embed_keys=jax.random.key(0),
         cluster_grid=cfg.cluster_grid,
         fold_keys=lambda seeds: jax.vmap(jax.random.key)(jnp.asarray(seeds)),
-        tuning_seeds=(TUNING_SEED,),
+        tuning_seeds=tuple(TUNING_SEED + i for i in range(cfg.tuning_draws)),
         notes=notes,
         summary=summary,
         figures=figures,

@@ -59,6 +59,7 @@ __all__ = [
     "draw_study",
     "fix_choices",
     "logistic_study",
+    "pooled_choice",
     "run_study",
     "selected",
     "study_data",
@@ -325,7 +326,8 @@ class Study(NamedTuple):
       embed_keys, cluster_grid, normalize_D: of :func:`draw_study`; ``fold_keys``:
         ``fold_keys(seeds) -> [S]`` keys of :func:`draw_study`, or None (its default).
       tuning_seeds: if given, the grids are chosen on these separate draws instead (CV
-        with ``num_folds`` folds; the first draw's choice, :func:`fix_choices`), and the
+        with ``num_folds`` folds; with several draws, the point of the lowest CV score
+        averaged over them, :func:`pooled_choice`), and the
         ``seeds`` draws train final fits only, at the chosen points; the table's CV
         column then shows the choice and the summary's ``"tuning"`` holds the CV.
       notes: ``notes(result) -> lines`` under the table, or None.
@@ -416,12 +418,33 @@ def _compare(study: Study, methods, data: StudyData, log, **extra) -> tuple[dict
     return compare(methods, params, data.cv, **kw | dict(options or {}) | extra), more
 
 
+def pooled_choice(method: Method, outcome: CVOutcome) -> CVOutcome:
+    """``outcome`` with one choice for all its seeds: the grid point whose CV score,
+    averaged over the seeds, is lowest (a non-finite score counts as ``inf``, so a point
+    that diverged on one draw is not chosen while another is finite). Its edge and
+    plateau marks are those of the pooled scores.
+
+    Used on several tuning draws (:attr:`Study.tuning_seeds`): a step that is stable on
+    one draw but diverges on another scores ``inf`` or near chance there, and drops out.
+    """
+    raw = np.asarray(outcome.cv_score, np.float64)  # [S, G]
+    score = np.where(np.isfinite(raw), raw, np.inf).mean(axis=0)
+    index = np.full(np.shape(outcome.chosen), int(np.argmin(score)))
+    edge = np.asarray(method.edge(index), bool)
+    plateau = np.zeros_like(edge)
+    if method.edges is None:  # one-axis grid
+        plateau = edge & ev.grid_plateau(index, np.broadcast_to(score, raw.shape))
+    return outcome._replace(chosen=index, edge=edge & ~plateau, plateau=plateau)
+
+
 def _tune(study: Study, methods: dict[str, Method], log) -> tuple[dict, dict, dict]:
     """The methods at the points CV chose on the study's tuning draws:
     ``(methods, {name: label}, tuning summary)``."""
     data = study_data(study, seeds=study.tuning_seeds, num_folds=study.num_folds, log=log)
     grids = {name: m for name, m in methods.items() if len(m.points()) > 1}
     outcomes, _ = _compare(study, grids, data, log, final_fits=False)
+    if len(data.seeds) > 1:  # one choice from the scores pooled over the draws
+        outcomes = {name: pooled_choice(grids[name], o) for name, o in outcomes.items()}
     fixed, points = fix_choices(methods, outcomes)
     labels = {name: methods[name].labels()[0] for name in points}  # one-point grids
     labels |= {name: o.chosen_labels[0] for name, o in outcomes.items()}
