@@ -215,3 +215,30 @@ def test_tuning_draws_choose_the_grid_and_the_seeds_train_final_fits(tmp_path):
     assert (tmp_path / "fig.png").read_text() == "(0, 1)"
     assert (tmp_path / "summary.json").is_file()
     assert result.summary["per_seed"]["Karula"]["test_acc"].shape == (2,)
+
+
+def test_pooled_choice_takes_the_lowest_mean_score_and_drops_diverged_points():
+    # Three draws of a four-point rate grid: draw 2 diverges at the largest rate (inf),
+    # which draws 0 and 1 prefer; pooled, the third point wins (the lowest mean of the
+    # points finite everywhere), the same for every draw, and it is not an edge.
+    method = protocol.Method(lambda **_: None, **protocol.scalar_grid("lr", [0.1, 0.3, 1.0, 3.0]))
+    score = np.array([[0.9, 0.5, 0.40, 0.30], [0.8, 0.6, 0.35, 0.31], [0.7, 0.5, 0.45, np.inf]])
+    per_draw = np.argmin(score, axis=1)  # 3, 3, 2
+    outcome = protocol.CVOutcome(
+        {}, {}, per_draw, method.labels(), score, np.ones(3, bool), method.edge(per_draw),
+        1.0, "", {}, np.arange(1),
+    )  # fmt: skip
+    pooled = protocol.pooled_choice(method, outcome)
+    assert list(per_draw) == [3, 3, 2] and list(outcome.edge) == [True, True, False]
+    assert list(pooled.chosen) == [2, 2, 2] and not pooled.edge.any()
+    assert pooled.chosen_labels == ["lr=1"] * 3
+    np.testing.assert_array_equal(pooled.cv_score, score)  # the draws' scores are kept
+    # pooled scores that favour an end: an edge (or a plateau where the score stops moving)
+    low = np.array([[0.2, 0.5, 0.6, 0.7], [0.3, 0.4, 0.6, 0.8]])
+    edge = protocol.pooled_choice(method, outcome._replace(cv_score=low, chosen=np.zeros(2, int)))
+    assert list(edge.chosen) == [0, 0] and edge.edge.all()
+    flat = np.array([[0.5, 0.5, 0.6, 0.7], [0.5, 0.5, 0.6, 0.8]])
+    plateau = protocol.pooled_choice(
+        method, outcome._replace(cv_score=flat, chosen=np.zeros(2, int))
+    )
+    assert list(plateau.chosen) == [0, 0] and not plateau.edge.any() and plateau.plateau.all()
