@@ -76,6 +76,11 @@ class Config:
       t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
         Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
         when ``methods`` holds it.
+      rates_from: the counts the paper's rates are converted with (:func:`library_rates`,
+        whose steps grow with a client's digits): ``"member"``, each data set's own (a CV
+        fold's half of the digits: its step half the final fit's; the committed tables),
+        or ``"full"``, its seed's whole training set (CV validates the step the final fit
+        takes).
       tuning_draws: writer draws the grids are chosen on (``TUNING_SEED`` and the next
         ones); with several, the point of the lowest CV score averaged over them
         (:func:`karula_jax.protocol.pooled_choice`).
@@ -114,6 +119,7 @@ class Config:
     methods: tuple[str, ...] = METHODS
     t_sweep: tuple[float, ...] = ()
     tuning_draws: int = 1
+    rates_from: str = "member"
 
 
 def quick_config(cfg: Config) -> Config:
@@ -227,7 +233,10 @@ def _member_kwargs(cfg: Config, model, data: protocol.StudyData) -> dict:
         keys
     )
     train = data.cv.train
-    rates = library_rates(cfg, train.counts)
+    counts = train.counts
+    if cfg.rates_from == "full":  # every member converts with its seed's whole training set
+        counts = data.cv.per_member(data.cv.final(counts))
+    rates = library_rates(cfg, counts)
     if cfg.rates in ("default", "cv"):  # each data set's initial model
         loss = models.cross_entropy_loss(model.apply)
         params = jax.vmap(init)(keys)
@@ -271,6 +280,8 @@ def main(argv=None) -> dict:
         out=OUTPUT / "femnist",
         tag=dict(default="", help="suffix of the output file names"),
     )
+    if cfg.rates_from not in ("member", "full"):
+        raise ValueError(f"rates_from must be 'member' or 'full', got {cfg.rates_from!r}")
     if cfg.tuning_draws < 1:
         raise ValueError(f"tuning_draws must be >= 1, got {cfg.tuning_draws}")
     if cfg.rates not in ("paper", "default", "cv"):
