@@ -41,8 +41,14 @@ def draw(seed: int) -> protocol.Draw:
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """The toy study run end to end by the driver: ``(output folder, result, log lines)``."""
-    cfg, out, lines = ToyConfig(), tmp_path_factory.mktemp("toy"), []
-    study = protocol.logistic_study(
+    out, lines = tmp_path_factory.mktemp("toy"), []
+    study = toy_study(ToyConfig(), client_names=("a", "b", "c"), cluster_grid=(1, 2))
+    return out, protocol.run_study(study, out, log=lines.append), lines
+
+
+def toy_study(cfg: ToyConfig, **fields) -> protocol.Study:
+    """The toy study of ``cfg`` (:func:`karula_jax.protocol.logistic_study`), titled "Toy"."""
+    return protocol.logistic_study(
         draw,
         cfg,
         title="Toy",
@@ -54,10 +60,8 @@ def toy(tmp_path_factory):
         clients_per_round=cfg.clients_per_round,
         grids={"Karula": cfg.t_grid},
         embed={"num_reference": 8, "epsilon": 0.5},
-        client_names=("a", "b", "c"),
-        cluster_grid=(1, 2),
+        **fields,
     )
-    return out, protocol.run_study(study, out, log=lines.append), lines
 
 
 def test_a_new_data_set_is_a_config_and_a_draw_function(toy):
@@ -162,19 +166,7 @@ def test_tuning_draws_choose_the_grid_and_the_seeds_train_final_fits(tmp_path):
     # CV run by hand on them), the seeds' draws train final fits only at that point, and
     # the hooks that depend on the data see which draws they serve (data.seeds).
     cfg, seen = ToyConfig(), []
-    base = protocol.logistic_study(
-        draw,
-        cfg,
-        title="Toy tuned",
-        seeds=cfg.seeds,
-        num_folds=cfg.num_folds,
-        num_rounds=cfg.rounds,
-        lam=cfg.lam,
-        methods=cfg.methods,
-        clients_per_round=cfg.clients_per_round,
-        grids={"Karula": cfg.t_grid},
-        embed={"num_reference": 8, "epsilon": 0.5},
-    )
+    base = toy_study(cfg)
 
     def keys(data):
         seen.append((data.seeds, data.cv.num_folds))
