@@ -37,6 +37,37 @@ def test_library_rates_reproduce_the_papers_per_client_steps():
     assert all(np.allclose(doubled[m], 2 * rates[m]) for m in rates)
 
 
+def test_rates_from_full_gives_every_fold_its_final_fits_step():
+    # The paper's rates are per summed loss: converted with a fold's own digits (half of
+    # them) a fold's step is half its final fit's; with rates_from="full" every member of
+    # a seed takes the step of the seed's whole training set, the one CV should validate.
+    from karula_jax import protocol
+    from karula_jax.data import from_client_arrays
+
+    def draw(seed):
+        rng = np.random.default_rng(seed)
+        sets = []
+        for rows in ([20, 40, 60, 80], [5] * 4):
+            xs = [rng.random((r, 784), dtype=np.float32) for r in rows]
+            ys = [rng.integers(0, 10, size=r) for r in rows]
+            sets.append(from_client_arrays(xs, ys, num_classes=10))
+        return protocol.Draw(*sets)
+
+    embed = {"num_reference": 4, "epsilon": 0.5, "num_classes": 10}
+    data = protocol.draw_study(draw, 2, num_folds=2, embed=embed, log=lambda _: None)
+    counts = np.asarray(data.cv.train.counts, np.float64)  # [S (K + 1), n]
+    final = np.repeat(counts[2::3], 3, axis=0)  # each member's seed's whole training set
+    assert np.all(counts[0::3] < final[0::3])  # a fold holds part of the digits
+    for rates_from, want in (("member", counts), ("full", final)):
+        cfg = femnist.Config(rates_from=rates_from, hidden=4, ifca_clusters=1, seeds=2)
+        model = femnist._setup(cfg)[0]
+        got = femnist._member_kwargs(cfg, model, data)["rates"]
+        for key, rate in femnist.library_rates(cfg, want).items():
+            np.testing.assert_allclose(np.asarray(got[key]), rate, rtol=1e-6, err_msg=key)
+    with pytest.raises(ValueError, match="rates_from"):
+        femnist.main(["--rates-from", "fold"])
+
+
 def test_fedprox_own_default_step_adds_mu_to_the_smoothness():
     # FedProx's local objective f_i + mu/2 ||w - w0||^2 is (L_i + mu)-smooth: its own default
     # is 1 / (max L_i + mu), not FedAvg's 1 / max L_i (which diverges once step * mu > 2).
