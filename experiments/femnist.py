@@ -199,14 +199,26 @@ def _fedprox_step(fedavg_step, cfg: Config, mu, **kw):
 
 
 def _setup(cfg: Config):
-    """``(model, loss, seed_keys [S], params0 [S, ...], personal)``: the MLP, its loss,
-    each seed's key and initial model, and the mask of the output layer."""
+    """``(model, loss, personal)``: the MLP, its loss and the mask of its output layer."""
     model = models.mlp(cfg.hidden, 10)
     loss = models.cross_entropy_loss(model.apply)
-    seed_keys = jax.vmap(jax.random.key)(jnp.arange(cfg.seeds))
-    params0 = jax.vmap(lambda k: models.init_params(model, k, (1, 784)))(seed_keys)
-    personal = models.output_layer_mask(jax.tree.map(lambda a: a[0], params0))
-    return model, loss, seed_keys, params0, personal
+    return model, loss, models.output_layer_mask(_init(model, jax.random.key(0)))
+
+
+def _init(model, key):
+    """One initial model of ``model`` from ``key``."""
+    return models.init_params(model, key, (1, 784))
+
+
+def _seed_keys(data: protocol.StudyData) -> jax.Array:
+    """``key(s)`` of every seed ``s`` drawn, ``[S]``: its initial model, IFCA's clusters."""
+    return jax.vmap(jax.random.key)(jnp.asarray(data.seeds))
+
+
+def _run_keys(data: protocol.StudyData) -> jax.Array:
+    """The runs' keys ``[S]``: a tuning draw's own key; a seed's ``fold_in(key(s), 1)``."""
+    keys = _seed_keys(data)
+    return keys if data.cv.num_folds else jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
 
 
 def _active(params, D, t: float, personal) -> np.ndarray:
@@ -225,13 +237,12 @@ def _active(params, D, t: float, personal) -> np.ndarray:
 def _member_kwargs(cfg: Config, model, data: protocol.StudyData) -> dict:
     """Per member: the rates and IFCA's random clusters, from the member's seed (its key
     ``key(seed)`` and initial model)."""
-    keys = data.cv.per_member(jax.vmap(jax.random.key)(jnp.asarray(data.seeds)))
-    init = lambda k: models.init_params(model, k, (1, 784))
+    keys = data.cv.per_member(_seed_keys(data))
     # IFCA paper: k independent random initializations
     cs = jnp.arange(cfg.ifca_clusters)
-    clusters = jax.vmap(lambda k: jax.vmap(lambda c: init(jax.random.fold_in(k, 100 + c)))(cs))(
-        keys
-    )
+    clusters = jax.vmap(
+        lambda k: jax.vmap(lambda c: _init(model, jax.random.fold_in(k, 100 + c)))(cs)
+    )(keys)
     train = data.cv.train
     counts = train.counts
     if cfg.rates_from == "full":  # every member converts with its seed's whole training set
@@ -239,7 +250,7 @@ def _member_kwargs(cfg: Config, model, data: protocol.StudyData) -> dict:
     rates = library_rates(cfg, counts)
     if cfg.rates in ("default", "cv"):  # each data set's initial model
         loss = models.cross_entropy_loss(model.apply)
-        params = jax.vmap(init)(keys)
+        params = jax.vmap(functools.partial(_init, model))(keys)
         own = protocol.member_default_rates(loss, params, train, cfg.clients_per_round, keys)
         if cfg.rates == "default":
             rates = own
@@ -338,10 +349,9 @@ def _options(cfg: Config, model, data: protocol.StudyData) -> dict:
 def _initial_models(model, data: protocol.StudyData):
     """Seed ``s``'s initial model from ``key(s)``: ``[S]`` of them, or a single tuning
     draw's one (its folds start from it)."""
-    init = lambda k: models.init_params(model, k, (1, 784))
     if data.cv.num_folds and len(data.seeds) == 1:
-        return init(jax.random.key(data.seeds[0]))
-    return jax.vmap(init)(jax.vmap(jax.random.key)(jnp.asarray(data.seeds)))
+        return _init(model, jax.random.key(data.seeds[0]))
+    return jax.vmap(functools.partial(_init, model))(_seed_keys(data))
 
 
 def _values(o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
@@ -370,7 +380,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
     """The comparison: grids chosen on writer draw :data:`TUNING_SEED`, then every method
     trained on every seed's writers."""
     sfx, S = f"_{tag}" if tag else "", cfg.seeds
-    model, loss, _, _, personal = _setup(cfg)
+    model, loss, personal = _setup(cfg)
     methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
     kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
 
@@ -477,13 +487,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         embed=dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
         | {"num_classes": 10},
         member_kwargs=functools.partial(_member_kwargs, cfg, model),
-        keys=lambda data: (
-            jax.vmap(jax.random.key)(jnp.asarray(data.seeds))
-            if data.cv.num_folds  # the tuning draw: its seed's key
-            else jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 1))(
-                jnp.asarray(data.seeds)
-            )
-        ),
+        keys=_run_keys,
         embed_keys=jax.random.key(0),
         cluster_grid=cfg.cluster_grid,
         fold_keys=lambda seeds: jax.vmap(jax.random.key)(jnp.asarray(seeds)),
@@ -517,7 +521,7 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
     ``t = 20`` marked) and ``summary_<tag>.json``.
     """
     sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
-    model, loss, seed_keys, params0, personal = _setup(cfg)
+    model, loss, personal = _setup(cfg)
     base = make_methods(cfg, loss, personal, ["Karula", "FedPer"])
     name = lambda t: f"Karula t={t:g}"
     methods = {
@@ -531,9 +535,9 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
     kw = data.member_kwargs(**_member_kwargs(cfg, model, data))
     outcomes = protocol.compare(
         methods,
-        params0,
+        _initial_models(model, data),
         data.cv,
-        keys=jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys),
+        keys=_run_keys(data),
         num_rounds=cfg.rounds,
         eval_fn=lambda p, d: {"test_acc": ev.accuracy(model.apply, p, d)},
         eval_data=test,

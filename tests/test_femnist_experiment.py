@@ -92,7 +92,8 @@ def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
     # mu / L_f once divided by Karula's step, which the "default" mode leaves to Karula's
     # own coupled rule: None). Building traces nothing, so this is cheap.
     cfg = femnist.Config(rates=rates, seeds=1)
-    _, loss, _, params0, personal = femnist._setup(cfg)
+    model, loss, personal = femnist._setup(cfg)
+    params0 = femnist._init(model, jax.random.key(0))
     methods = femnist.make_methods(cfg, loss, personal)
     n = 4
     shape = (len(cfg.rate_multiples) + 1,) if rates == "cv" else ()
@@ -100,7 +101,7 @@ def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
         D=jnp.ones((n, n)) - jnp.eye(n),
         rates={k: jnp.full(shape, 0.1) for k in ("local", "fedavg", "karula")},
         labels=jnp.zeros((len(cfg.cluster_grid), n), jnp.int32),
-        clusters=jax.tree.map(lambda a: jnp.stack([a[0]] * cfg.ifca_clusters), params0),
+        clusters=jax.tree.map(lambda a: jnp.stack([a] * cfg.ifca_clusters), params0),
     )
     assert set(methods) == set(femnist.METHODS)
     for name, method in methods.items():

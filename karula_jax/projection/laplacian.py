@@ -23,6 +23,8 @@ __all__ = ["solve"]
 # Hessian-vector product costs O(n^3).
 _CG_MAX_ITER = 10
 _CG_MAX_ITER_LARGE = 5
+# CG stops at this residual relative to the right-hand side (more exact steps measured
+# slower and no shorter: results/bench/README.md).
 _CG_RTOL = 0.1
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
@@ -142,9 +144,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     # first of them phase 0's last evaluation recertified (``certified``, no new inverse)
     # and the final certificate; it iterates only where that misses ``tol`` after phase
     # 0's values met it (rare, float32 near ``tol``), so under vmap it usually takes no
-    # trip. The two phases are two trips of one loop (its index is the same for every
-    # member under vmap, so the choice of evaluation stays a branch), which compiles the
-    # Newton iteration once.
+    # trip; its certificates measure distances exactly, so its last one is the answer.
+    # The phases are written out (the Newton iteration compiles twice): a loop over them
+    # put a ``lax.cond`` around every evaluation, costly on the CPU (bench README).
     fast = functools.partial(dual_eval, red=red, gram=True)
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
 
@@ -152,7 +154,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     lam, ev, it, _ = ascend(lam0, ev, jnp.int32(0), skip, fast, False)
     ev = certified(lam, ev, red, exact=not gram)
     lam, ev, it, cert = ascend(lam, ev, it, skip, exact, True)
-    th, delta = cert  # phase 1 certifies with exact distances: its last is the answer
+    th, delta = cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 

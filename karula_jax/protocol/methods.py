@@ -246,25 +246,26 @@ class MethodRow(NamedTuple):
         fixed = {k: settings[k] for k in self.settings if k in settings} | dict(options or {})
         make = functools.partial(_build, self, loss, rates, fixed)
         grid = self.grid if grid is None else grid
+        return self._grid(make, grid)._replace(projects=self.projects)
+
+    def _grid(self, make, grid) -> Method:
+        """The :class:`Method` of ``make`` over the study's ``grid`` of ``hyper``."""
         if self.hyper is None:
-            return Method(make, projects=self.projects)
+            return Method(make)
         if grid is None:
             raise ValueError(f"{self.name}: no grid or value of {self.hyper} (row or study)")
         if not isinstance(grid, tuple | list):  # a fixed value
-            return Method(functools.partial(make, **{self.hyper: grid}), projects=self.projects)
+            return Method(functools.partial(make, **{self.hyper: grid}))
         shown, hyper = self.shown or self.hyper, self.hyper
         if self.kind == "choice":
             natural = self.natural or (lambda c: c == 1)
-            return Method(make, **choice_grid(hyper, grid, natural=natural), projects=self.projects)
+            return Method(make, **choice_grid(hyper, grid, natural=natural))
         natural = None if self.natural is None else (lambda p: self.natural(p[hyper]))
         if self.kind == "static":
             label = lambda p: f"{shown}={_text(p[hyper])}"
             static = [{hyper: v} for v in grid]
-            return Method(
-                make, static_grid=static, label=label, natural=natural, projects=self.projects
-            )
-        grid = scalar_grid(hyper, grid, shown=shown)
-        return Method(make, **grid, natural=natural, projects=self.projects)
+            return Method(make, static_grid=static, label=label, natural=natural)
+        return Method(make, **scalar_grid(hyper, grid, shown=shown), natural=natural)
 
 
 def _text(value) -> str:

@@ -488,7 +488,8 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     seconds = time.perf_counter() - t0
     result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning)
     # Every method whose runs projected reports its worst certified gap and the rounds
-    # that did not converge, next to the table (all CV and final runs of all seeds).
+    # that did not converge, next to the table (its runs here; with tuning draws, their
+    # CV's report too).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
     notes = [*(study.notes(result) if study.notes else ())]
     runs = "the seeds' runs" if tuning else "all CV and final runs"
