@@ -77,10 +77,11 @@ class Config:
         Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
         when ``methods`` holds it.
       rates_from: the counts the paper's rates are converted with (:func:`library_rates`,
-        whose steps grow with a client's digits): ``"member"``, each data set's own (a CV
-        fold's half of the digits: its step half the final fit's; the committed tables),
-        or ``"full"``, its seed's whole training set (CV validates the step the final fit
-        takes).
+        whose steps grow with a client's digits): ``"full"``, each member's seed's whole
+        training set (CV validates the step the final fit takes), or ``"member"``, each
+        data set's own (a CV fold's half of the digits: its step half the final fit's;
+        the default before 2026-11-28: every table in ``results/femnist/`` without
+        ``_full`` in its name ran with it).
       tuning_draws: writer draws the grids are chosen on (``TUNING_SEED`` and the next
         ones); with several, the point of the lowest CV score averaged over them
         (:func:`karula_jax.protocol.pooled_choice`).
@@ -119,7 +120,7 @@ class Config:
     methods: tuple[str, ...] = METHODS
     t_sweep: tuple[float, ...] = ()
     tuning_draws: int = 1
-    rates_from: str = "member"
+    rates_from: str = "full"
 
 
 def quick_config(cfg: Config) -> Config:

@@ -307,8 +307,15 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         more = diagnostic_dissimilarities(cfg, data) if cfg.diagnostics else {}
         return dict(L_f=L[0], L_max=L[1]) | more
 
+    last = []  # [(data, (structure, references))]: the hooks below share one analysis
+
+    def analysis(result) -> tuple[_Structure, dict[str, np.ndarray]]:
+        if not last or last[0][0] is not result.data:
+            last[:] = [(result.data, (_structure(result), _exact_references(cfg, result.data)))]
+        return last[0][1]
+
     def notes(result):
-        st, refs = _structure(result), _exact_references(cfg, result.data)
+        st, refs = analysis(result)
         diagnostics = (
             [
                 f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
@@ -336,7 +343,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         ]
 
     def summary(result):
-        st, refs = _structure(result), _exact_references(cfg, result.data)
+        st, refs = analysis(result)
         return {
             "spearman_D": st.rho_D,
             "spearman_local": st.rho_local,
@@ -346,7 +353,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         }
 
     def figures(result):
-        st = _structure(result)
+        st = analysis(result)[0]
         heatmaps = functools.partial(
             reporting.plot_heatmaps,
             [st.truth[0], st.D[0], st.local[0]],
