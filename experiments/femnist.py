@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -355,7 +354,7 @@ def _initial_models(model, data: protocol.StudyData):
     return jax.vmap(functools.partial(_init, model))(_seed_keys(data))
 
 
-def _values(o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
+def _values(_: str, o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
     """A method's columns per seed: test accuracies (%), the final training loss, its
     drop over the last fifth of the rounds and whether it flattened there."""
     acc, counts = 100 * o.curves["test_acc"][:, -1], np.asarray(data.cv.evals.counts, float)
@@ -510,85 +509,64 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     return protocol.run_study(study(cfg, tag), out).summary
 
 
-def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
+def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
     """Karula at every ``t`` of ``cfg.t_sweep`` at one step, and FedPer: what the
-    constraints add over free output layers.
+    constraints add over free output layers (the seeds' writers, no CV).
 
     Every t takes the same step: Karula's default without coupling (its ``t = inf`` rule,
     which the projection, a nonexpansive map, cannot make unstable) with ``rates="default"``,
     else Karula's paper rate; so accuracy against t isolates the constraint. FedPer is
-    FedAvg with the output layer personalized (its own rate rule). Writes
-    ``table_<tag>``, ``<tag>.png`` (accuracy and active pairs against t, the paper's
-    ``t = 20`` marked) and ``summary_<tag>.json``.
+    FedAvg with the output layer personalized (its own rate rule). The table adds the
+    share of active pairs at the end; ``<tag>.png`` plots accuracy and active pairs
+    against t, the paper's ``t = 20`` marked.
     """
-    sfx, t_start, S = f"_{tag}" if tag else "", time.perf_counter(), cfg.seeds
+    S, comparison = cfg.seeds, study(cfg, tag)
     model, loss, personal = _setup(cfg)
     base = make_methods(cfg, loss, personal, ["Karula", "FedPer"])
-    name = lambda t: f"Karula t={t:g}"
+    ts = {f"Karula t={t:g}": float(t) for t in cfg.t_sweep}
     methods = {
-        name(t): base["Karula"]._replace(make=functools.partial(base["Karula"].make, t=float(t)))
-        for t in cfg.t_sweep
+        m: base["Karula"]._replace(make=functools.partial(base["Karula"].make, t=t))
+        for m, t in ts.items()
     }
-    if "FedPer" in cfg.methods:
-        methods["FedPer"] = base["FedPer"]
-    data = protocol.study_data(study(cfg))  # the seeds' writers, no folds
-    test = data.cv.evals
-    kw = data.member_kwargs(**_member_kwargs(cfg, model, data))
-    outcomes = protocol.compare(
-        methods,
-        _initial_models(model, data),
-        data.cv,
-        keys=_run_keys(data),
-        num_rounds=cfg.rounds,
-        eval_fn=lambda p, d: {"test_acc": ev.accuracy(model.apply, p, d)},
-        eval_data=test,
-        member_kwargs=kw,
-        params_per_seed=True,
-        final_params=True,
-        describe=lambda o: f"{100 * o.metrics['test_acc'].mean():.1f} %",
-    )
-    active = {name(t): _active(outcomes[name(t)].params, data.D, t, personal) for t in cfg.t_sweep}
-    acc = {m: 100 * o.metrics["test_acc"].mean(-1) for m, o in outcomes.items()}  # [S]
-    reference = name(max(cfg.t_sweep))
-    rows = reporting.comparison_rows(
-        {m: {"test_acc": a} for m, a in acc.items()}, reference=reference, paired="test_acc"
-    )
-    for row in rows:
-        frac = active.get(row["method"])
-        row["active"] = "" if frac is None else f"{100 * frac.mean():.2f}"
-        row["runtime_s"] = outcomes[row["method"]].seconds
-    columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
-    key = reference.lower() + "_minus"
-    columns += [(key, f"{reference} minus method (paired)"), (key + "_decided", "decided (> 2 SE)")]
-    columns += [("active", "active pairs at the end (%)"), ("runtime_s", "runtime (s)")]
-    rates = np.asarray(kw["rates"]["karula"])
-    notes = [
-        f"{S} writer draws of {cfg.num_clients} as in table.md, {cfg.rounds} rounds, "
-        f"{'inverted' if cfg.invert else 'LEAF'} pixels. Karula at every t takes one step "
-        f"(seed 0: {rates[0]:.4g}; {_rates_text(cfg)}, Karula's without coupling), "
-        "output layer personalized, D the row-norm linearized W1; FedPer: FedAvg "
-        f"({cfg.local_steps} local steps, its own rate) with the output layer personalized.",
-        "Active: pairs i < j with ||theta_i - theta_j||^2 >= (1 - 1e-3) t D_ij over the "
-        "output layers at the end (t = 0: every pair; t = inf: none), mean over draws. "
-        "± is 2 SE over draws; paired differences against Karula at the largest t.",
-    ]
+    methods |= {"FedPer": base["FedPer"]} if "FedPer" in cfg.methods else {}
+    reference = max(ts, key=ts.get)
 
-    def plot(path):
+    def active(name, o, data) -> np.ndarray:  # % per seed; FedPer: no constraint
+        return 100 * _active(o.params, data.D, ts.get(name, np.inf), personal)
+
+    def values(name, o, data) -> dict[str, np.ndarray]:
+        return _values(name, o, data) | {"active": active(name, o, data)}
+
+    def notes(result) -> list[str]:
+        rates = np.asarray(result.member_kwargs["rates"]["karula"])
+        return [
+            f"{S} writer draws of {cfg.num_clients} as in table.md, {cfg.rounds} rounds, "
+            f"{'inverted' if cfg.invert else 'LEAF'} pixels. Karula at every t takes one step "
+            f"(seed 0: {rates[0]:.4g}; {_rates_text(cfg)}, Karula's without coupling), "
+            "output layer personalized, D the row-norm linearized W1; FedPer: FedAvg "
+            f"({cfg.local_steps} local steps, its own rate) with the output layer personalized.",
+            "Active: pairs i < j with ||theta_i - theta_j||^2 >= (1 - 1e-3) t D_ij over the "
+            "output layers at the end (t = 0: every pair; t = inf and FedPer: none), mean over "
+            f"draws. ± is 2 SE over draws; paired differences against {reference}.",
+        ]
+
+    def plot(result, path):
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        finite = [t for t in cfg.t_sweep if 0 < t < np.inf] or [20.0]
+        o, data = result.outcomes, result.data
+        acc = {m: _values(m, c, data)["test_acc"] for m, c in o.items()}
+        finite = [t for t in ts.values() if 0 < t < np.inf] or [20.0]
         lo, hi = min(finite) / 3, max(finite) * 3
-        x = np.array([lo if t == 0 else hi if np.isinf(t) else t for t in cfg.t_sweep])
-        ys = [mean_and_se(acc[name(t)]) for t in cfg.t_sweep]  # mean, 2 SE
+        x = np.array([lo if t == 0 else hi if np.isinf(t) else t for t in ts.values()])
         fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
-        m, e = np.array(ys).T
+        m, e = np.array([mean_and_se(acc[name]) for name in ts]).T  # mean, 2 SE
         axes[0].errorbar(x, m, yerr=e, marker="o", capsize=3, label="Karula (± 2 SE)")
         if "FedPer" in acc:
             axes[0].axhline(acc["FedPer"].mean(), color="gray", ls="--", label="FedPer")
-        axes[1].plot(x, [100 * active[name(t)].mean() for t in cfg.t_sweep], marker="o")
+        axes[1].plot(x, [active(name, o[name], data).mean() for name in ts], marker="o")
         for ax, ylabel in zip(
             axes, ("mean per-writer test accuracy (%)", "active pairs (%)"), strict=True
         ):
@@ -601,27 +579,35 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
         fig.savefig(path, dpi=130)
         plt.close(fig)
 
-    summary = {
-        "config": dataclasses.asdict(cfg),
-        "accuracy": {m: a.tolist() for m, a in acc.items()},
-        "active_fraction": {m: a.tolist() for m, a in active.items()},
-        "rows": rows,
-        "total_seconds": time.perf_counter() - t_start,
-    }
-    protocol.write_study(
-        out,
-        rows,
-        columns,
+    key = reference.lower() + "_minus"
+    columns = [c for c in comparison.columns if c[0] not in ("cv_choice", "runtime_s")]
+    columns = [
+        (
+            key if k == "karula_minus" else key + "_decided" if k == "karula_minus_decided" else k,
+            h.replace("Karula", reference),
+        )
+        for k, h in columns
+    ]
+    columns += [("active", "active pairs at the end (%)"), ("runtime_s", "runtime (s)")]
+    return comparison._replace(
         title=f"FEMNIST: Karula over t at one step{' - ' + tag if tag else ''}",
+        methods=lambda _: methods,
+        num_folds=0,
+        tuning_seeds=(),
+        values=values,
+        columns=columns,
+        reference=reference,
         notes=notes,
-        digits={"test_acc": 1, key: 1, "runtime_s": 1},
-        summary=summary,
-        figures={f"{tag or 't_sweep'}.png": plot},
-        table=f"table{sfx}",
-        json=f"summary{sfx}.json",
+        summary=None,
+        figures=lambda result: {f"{tag or 't_sweep'}.png": functools.partial(plot, result)},
+        digits=comparison.digits | {key: 1, "active": 2},
     )
-    print(f"wrote {out} in {summary['total_seconds']:.0f}s")
-    return summary
+
+
+def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
+    """Runs :func:`sweep_study`; writes ``table_<tag>``, ``<tag>.png`` and
+    ``summary_<tag>.json`` (per-seed accuracies and active pairs in ``"per_seed"``)."""
+    return protocol.run_study(sweep_study(cfg, tag), out).summary
 
 
 if __name__ == "__main__":

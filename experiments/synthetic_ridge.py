@@ -380,7 +380,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         params=jnp.zeros((cfg.dim,), jnp.float32),
         eval_fn=_metrics,
         score=None,  # _options
-        values=lambda o, _: {
+        values=lambda _, o, __: {
             "estimation_error": o.metrics["error"].mean(-1),
             "test_r2": o.metrics["r2"].mean(-1),
         },

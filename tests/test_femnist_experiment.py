@@ -161,10 +161,12 @@ def test_t_sweep_trains_karula_at_one_step_for_every_t(tmp_path, shared_data_dir
     summary = femnist.main([*argv, "--t-sweep", "0,inf", "--tag", "sweep"])
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert [r["method"] for r in summary["rows"]] == ["Karula t=0", "Karula t=inf"]
-    active = summary["active_fraction"]
-    assert active["Karula t=0"] == [1.0, 1.0] and active["Karula t=inf"] == [0.0, 0.0]
-    acc = summary["accuracy"]
-    assert all(0 <= a <= 100 for a in acc["Karula t=0"] + acc["Karula t=inf"])
+    seeds = summary["per_seed"]  # active pairs in %
+    assert list(seeds["Karula t=0"]["active"]) == [100.0, 100.0]
+    assert list(seeds["Karula t=inf"]["active"]) == [0.0, 0.0]
+    acc = [*seeds["Karula t=0"]["test_acc"], *seeds["Karula t=inf"]["test_acc"]]
+    assert all(0 <= a <= 100 for a in acc)
+    assert "karula t=inf minus method" in (tmp_path / "table_sweep.md").read_text().lower()
     with pytest.raises(ValueError, match="one step for every t"):
         femnist.main([*argv, "--t-sweep", "0", "--rates", "cv"])
     with pytest.raises(ValueError, match="exclude each other"):

@@ -315,8 +315,9 @@ class Study(NamedTuple):
         fold members, test rows for the final fits.
       score: validation metrics ``{metric: [S, K, G, n]}`` -> CV score ``[S, K, G]``,
         lower is better.
-      values: ``values(outcome, data) -> {column: [S]}``, a method's measured columns.
-      paired: the column of the paired difference with Karula.
+      values: ``values(name, outcome, data) -> {column: [S]}``, method ``name``'s
+        measured columns.
+      paired: the column of the paired difference with ``reference``.
       columns: ``(key, header)`` of the table (:func:`study_rows` names the keys).
       embed: keywords of :func:`karula_jax.embedding.dissimilarities`.
       member_kwargs: ``member_kwargs(data) -> {name: [B, ...]}``, member arguments
@@ -340,6 +341,8 @@ class Study(NamedTuple):
       json, table: the JSON summary's and the table's file names (without extension).
       command: the command line that ran the study, quoted in the last note with the
         runtime ("" for none).
+      reference: the method the paired differences are taken against (its name in lower
+        case then ``_minus`` names the paired columns, ``karula_minus`` by default).
     """
 
     title: str
@@ -352,7 +355,7 @@ class Study(NamedTuple):
     params: Any
     eval_fn: Callable[[Any, Any], Mapping[str, Any]]
     score: Callable[[Mapping[str, np.ndarray]], np.ndarray]
-    values: Callable[[CVOutcome, StudyData], Mapping[str, Any]]
+    values: Callable[[str, CVOutcome, StudyData], Mapping[str, Any]]
     paired: str
     columns: Sequence[tuple[str, str]]
     embed: Mapping[str, Any]
@@ -371,6 +374,7 @@ class Study(NamedTuple):
     json: str = "summary.json"
     table: str = "table"
     command: str = ""
+    reference: str = "Karula"
 
 
 def study_data(
@@ -483,8 +487,10 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     if study.tuning_seeds:
         methods, labels, tuning = _tune(study, methods, log)
     outcomes, more = _compare(study, methods, data, log)
-    values = {name: study.values(o, data) for name, o in outcomes.items()}
-    rows = study_rows(values, outcomes, paired=study.paired, choices=labels)
+    values = {name: study.values(name, o, data) for name, o in outcomes.items()}
+    rows = study_rows(
+        values, outcomes, paired=study.paired, reference=study.reference, choices=labels
+    )
     seconds = time.perf_counter() - t0
     result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning)
     # Every method whose runs projected reports its worst certified gap and the rounds
@@ -492,7 +498,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     # CV's report too).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
     notes = [*(study.notes(result) if study.notes else ())]
-    runs = "the seeds' runs" if tuning else "all CV and final runs"
+    runs = "all CV and final runs" if data.cv.num_folds else "the seeds' runs"
     notes += [f"{m}'s {report} ({runs})." for m, report in projection.items()]
     notes += [
         f"{m}'s {report} (CV on the tuning draws)."
@@ -601,7 +607,7 @@ def logistic_study(
             local_steps=local_steps,
         )
 
-    def values(o: CVOutcome, data: StudyData) -> dict[str, np.ndarray]:
+    def values(_: str, o: CVOutcome, data: StudyData) -> dict[str, np.ndarray]:
         acc, counts = o.metrics["acc"], np.asarray(data.cv.final(data.cv.evals).counts, float)
         v = {"test_acc": acc.mean(axis=1), "pooled_acc": (acc * counts).sum(1) / counts.sum(1)}
         v["test_logloss"] = o.metrics["nll"].mean(axis=1)
