@@ -34,7 +34,8 @@ class Config:
 
     Command: ``python -m experiments.femnist [--data-dir PATH] [--FIELD VALUE ...]
     [--quick] [--out DIR] [--tag NAME]`` writes ``runs/femnist/`` (``--out results/femnist``
-    refreshes the committed pages); ``results/femnist/`` holds the defaults (the
+    refreshes the committed pages; the tables without ``_full`` in their names ran
+    with ``--rates-from member``); ``results/femnist/`` holds the defaults (the
     paper's rates on LEAF's pixels), ``--invert --tag invert_paper``, ``--invert
     --rate-scale 10 --tag invert_x10`` and ``--invert --rates default --tag
     invert_default``; ``--invert --rates cv --tag invert_cv`` (every method's rate chosen
@@ -531,8 +532,10 @@ def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
     methods |= {"FedPer": base["FedPer"]} if "FedPer" in cfg.methods else {}
     reference = max(ts, key=ts.get)
 
-    def active(name, o, data) -> np.ndarray:  # % per seed; FedPer: no constraint
-        return 100 * _active(o.params, data.D, ts.get(name, np.inf), personal)
+    def active(name, o, data) -> np.ndarray:  # % per seed; FedPer: no constraint, none
+        if name not in ts:
+            return np.zeros(len(data.seeds))
+        return 100 * _active(o.params, data.D, ts[name], personal)
 
     def values(name, o, data) -> dict[str, np.ndarray]:
         return _values(name, o, data) | {"active": active(name, o, data)}

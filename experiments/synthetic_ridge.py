@@ -307,11 +307,11 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         more = diagnostic_dissimilarities(cfg, data) if cfg.diagnostics else {}
         return dict(L_f=L[0], L_max=L[1]) | more
 
-    last = []  # [(data, (structure, references))]: the hooks below share one analysis
+    last = []  # [(outcomes, (structure, references))]: the hooks below share one analysis
 
     def analysis(result) -> tuple[_Structure, dict[str, np.ndarray]]:
-        if not last or last[0][0] is not result.data:
-            last[:] = [(result.data, (_structure(result), _exact_references(cfg, result.data)))]
+        if not last or last[0][0] is not result.outcomes:
+            last[:] = [(result.outcomes, (_structure(result), _exact_references(cfg, result.data)))]
         return last[0][1]
 
     def notes(result):

@@ -308,7 +308,8 @@ class Study(NamedTuple):
       title: the table's heading.
       config: the study's config (a dataclass; the JSON summary's ``"config"``).
       draw: ``draw(seed) -> Draw``.
-      seeds, num_folds, num_rounds: ``S``, ``K >= 2`` and the rounds of every run.
+      seeds, num_folds, num_rounds: ``S``, ``K >= 2`` (or 0: final fits only, every
+        method with one grid point) and the rounds of every run.
       methods: ``methods(data) -> {name: Method}`` (:func:`build_methods`), in table order.
       params: the initial model of every run, or ``params(data) -> model``.
       eval_fn: ``eval_fn(client_params, evals) -> {metric: [n]}``: validation rows for the
