@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import jax
@@ -291,7 +292,10 @@ def main(argv=None) -> dict:
         description=__doc__,
         out=OUTPUT / "femnist",
         tag=dict(default="", help="suffix of the output file names"),
+        merge=dict(default="", help="comma-separated tags of runs to merge (merge_runs)"),
     )
+    if args.merge:
+        return merge_runs(args.out, args.merge.split(","), args.tag or "merged")
     if cfg.rates_from not in ("member", "full"):
         raise ValueError(f"rates_from must be 'member' or 'full', got {cfg.rates_from!r}")
     if cfg.tuning_draws < 1:
@@ -508,6 +512,56 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
 def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
     """Tunes the grids, trains every method on every seed; writes tables and figures."""
     return protocol.run_study(study(cfg, tag), out).summary
+
+
+def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
+    """One table of every method of the runs ``tags`` (their ``summary_<tag>.json`` in
+    ``out``), paired against Karula: the runs must share their writer draws and
+    protocol, so their Karula rows agree (checked per seed, to 1e-6 points); a method in
+    several runs is taken from the first. Writes ``table_<tag>.{md,csv}``; returns the rows.
+    """
+    per_seed, chosen, source = {}, {}, {}
+    for run in tags:
+        summary = json.loads((pathlib.Path(out) / f"summary_{run}.json").read_text())
+        got = {
+            m: {k: np.asarray(v, float) for k, v in c.items()}
+            for m, c in summary["per_seed"].items()
+        }
+        if per_seed and not np.allclose(
+            got["Karula"]["test_acc"], per_seed["Karula"]["test_acc"], rtol=0, atol=1e-6
+        ):
+            raise ValueError(f"run {run!r}: Karula's accuracies differ from run {tags[0]!r}'s")
+        new = [m for m in got if m not in per_seed]
+        per_seed |= {m: got[m] for m in new}
+        chosen |= {m: summary["chosen"][m] for m in new}
+        source |= dict.fromkeys(new, run)
+    rows = reporting.comparison_rows(per_seed, reference="Karula", paired="test_acc")
+    for row in rows:
+        choice = chosen[row["method"]]
+        row["cv_choice"] = choice if isinstance(choice, str) else reporting.choice_counts(choice)
+        row["run"] = source[row["method"]]
+    columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
+    columns += [("karula_minus", "Karula minus method (paired)")]
+    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
+    columns += [
+        ("flattened", "flattened (share of seeds)"),
+        ("cv_choice", "CV choice (tuning draw)"),
+    ]
+    columns += [("run", "run (table_<run>.md)")]
+    notes = [
+        f"Merged from the runs {', '.join(tags)} (same writer draws and protocol; Karula's "
+        "per-seed accuracies agree across them): their notes give the settings. ± is 2 SE "
+        "over seeds; 'Karula minus method' is paired over the seeds, decided when it "
+        f"exceeds its 2 SE. Command: `python -m experiments.femnist --merge {','.join(tags)} "
+        f"--tag {tag} --out {out}`."
+    ]
+    title = f"Federated MNIST (LEAF FEMNIST digits) - {tag}"
+    digits = dict(test_acc=1, karula_minus=1, flattened=2)
+    text = reporting.write_table(
+        rows, columns, pathlib.Path(out) / f"table_{tag}", title=title, notes=notes, digits=digits
+    )
+    print(text + "\n" + "\n".join(notes))
+    return rows
 
 
 def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:

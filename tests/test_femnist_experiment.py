@@ -173,3 +173,30 @@ def test_t_sweep_trains_karula_at_one_step_for_every_t(tmp_path, shared_data_dir
         femnist.main([*argv, "--t-sweep", "0", "--t-grid", "0,inf"])
     with pytest.raises(ValueError, match="at least two values"):
         femnist.main([*argv, "--t-grid", "3"])
+
+
+def test_merge_runs_pairs_every_method_against_the_shared_karula(tmp_path):
+    import json
+
+    karula = {"test_acc": [90.0, 92.0, 94.0], "train_loss": [0.1] * 3, "flattened": [1.0] * 3}
+    other = {"test_acc": [89.0, 90.0, 95.0], "train_loss": [0.2] * 3, "flattened": [1.0] * 3}
+    ditto = other | {"test_acc": [91.0, 91.0, 94.5]}
+    runs = {
+        "a": {"per_seed": {"Karula": karula, "FedAvg": other}, "chosen": {"Karula": "rate x3"}},
+        "b": {"per_seed": {"Karula": karula, "Ditto": ditto}, "chosen": {"Ditto": "lam=0"}},
+    }
+    runs["a"]["chosen"]["FedAvg"] = ["rate x1", "rate x1", "rate x3"]  # per seed
+    runs["b"]["chosen"]["Karula"] = "rate x3"
+    for tag, summary in runs.items():
+        (tmp_path / f"summary_{tag}.json").write_text(json.dumps(summary))
+    rows = {r["method"]: r for r in femnist.merge_runs(tmp_path, ["a", "b"], "m")}
+    assert list(rows) == ["Karula", "FedAvg", "Ditto"]
+    diff = np.array(karula["test_acc"]) - np.array(other["test_acc"])
+    assert rows["FedAvg"]["karula_minus"] == pytest.approx(diff.mean())
+    assert rows["FedAvg"]["cv_choice"] == "rate x1 x2, rate x3 x1"
+    assert rows["Ditto"]["run"] == "b" and rows["Ditto"]["karula_minus_decided"] == "no"
+    assert "| Ditto |" in (tmp_path / "table_m.md").read_text()
+    runs["b"]["per_seed"]["Karula"] = other  # another draw or protocol: refused
+    (tmp_path / "summary_b.json").write_text(json.dumps(runs["b"]))
+    with pytest.raises(ValueError, match="Karula's accuracies differ"):
+        femnist.merge_runs(tmp_path, ["a", "b"], "m")
