@@ -39,9 +39,11 @@ class Config:
     with ``--rates-from member``); ``results/femnist/`` holds the defaults (the
     paper's rates on LEAF's pixels), ``--invert --tag invert_paper``, ``--invert
     --rate-scale 10 --tag invert_x10`` and ``--invert --rates default --tag
-    invert_default``; ``--invert --rates cv --tag invert_cv`` (every method's rate chosen
-    by CV) and ``--invert --rates default --t-sweep ... --tag t_sweep`` (Karula over t at
-    one step) are the configurations the README's verdict rests on.
+    invert_default``; ``--invert --rates cv`` (every method's rate chosen by CV; the
+    runs ``*_full`` merged by ``--merge`` into ``table_verdict_full``), the t sweeps
+    (``--t-sweep``: Karula over t at one step) and the CV over t (``--t-grid``) are the
+    configurations the README's verdict rests on; ``--merge TAGS`` writes one table of
+    the runs ``TAGS`` (:func:`merge_runs`) instead of running anything.
 
     Expected and runtime: ``results/femnist/README.md`` (8 seeds: about 25 minutes per
     command on an idle 2-core machine).
