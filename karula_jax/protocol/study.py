@@ -289,6 +289,8 @@ class StudyResult(NamedTuple):
         ``grids`` (``{method: labels}``), ``chosen`` (labels), ``points``, ``cv_score``,
         ``projection`` (reports of the methods that project), ``embedding_converged``;
         else empty.
+      values: every method's per-seed columns, ``{name: {column: [S]}}`` (the study's
+        ``values``; the summary's ``"per_seed"``).
     """
 
     data: StudyData
@@ -299,6 +301,7 @@ class StudyResult(NamedTuple):
     summary: dict[str, Any]
     member_kwargs: dict[str, Any] = {}
     tuning: dict[str, Any] = {}
+    values: dict[str, Any] = {}
 
 
 class Study(NamedTuple):
@@ -493,7 +496,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         values, outcomes, paired=study.paired, reference=study.reference, choices=labels
     )
     seconds = time.perf_counter() - t0
-    result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning)
+    result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning, values)
     # Every method whose runs projected reports its worst certified gap and the rounds
     # that did not converge, next to the table (its runs here; with tuning draws, their
     # CV's report too).
