@@ -58,8 +58,66 @@ eigh.__doc__ = "``jnp.linalg.eigh`` of ``[..., n, n]`` as ``(w, v)``; batches ru
 eigvalsh = _unbatched_on_cpu(lambda a: jnp.linalg.eigvalsh(a))
 eigvalsh.__doc__ = "``jnp.linalg.eigvalsh`` of ``[..., n, n]``; batches run unbatched on CPU."
 
-qr_q = _unbatched_on_cpu(lambda a: jnp.linalg.qr(a)[0])
-qr_q.__doc__ = "``Q`` of the reduced QR of ``[..., m, k]``; batches run unbatched on CPU."
+
+def _householder_q(a):
+    """``Q`` of the reduced QR of one ``[m, k]`` matrix by Householder reflections in plain
+    XLA operations (``r = min(m, k)`` reflections, ``O(m k r)``), ``[m, r]``.
+
+    Reflection ``j`` maps the part of column ``j`` from row ``j`` down onto ``-sign(x_j)
+    ||x|| e_j`` (LAPACK's sign, so no cancellation); where that part is zero (a
+    rank-deficient ``a``) or a single entry, the reflection is the identity, as LAPACK's.
+    ``Q`` is the product of the reflections applied to the first ``r`` columns of the
+    identity, so its columns are orthonormal for every ``a``, and the columns of ``a`` lie
+    in their span.
+    """
+    m, k = a.shape
+    r = min(m, k)
+    rows = jnp.arange(m)
+
+    def reflect(j, carry):
+        work, vs = carry
+        x = jnp.where(rows >= j, jax.lax.dynamic_index_in_dim(work, j, 1, keepdims=False), 0.0)
+        big = jnp.max(jnp.abs(x))
+        x = x / jnp.where(big > 0, big, 1.0)  # scaled: no overflow in the squares
+        head = jax.lax.dynamic_index_in_dim(x, j, keepdims=False)
+        norm = jnp.sqrt(jnp.sum(x * x))
+        v = x + jnp.where(head < 0, -norm, norm) * (rows == j)
+        size = jnp.sqrt(jnp.sum(v * v))
+        # A zero subcolumn, or a single entry (LAPACK leaves the last row of a wide ``a``
+        # as it is), takes the identity (v = 0).
+        v = jnp.where((size > 0) & (j < m - 1), v / jnp.where(size > 0, size, 1.0), 0.0)
+        work = work - 2.0 * v[:, None] * (v @ work)[None, :]
+        return work, jax.lax.dynamic_update_index_in_dim(vs, v, j, 1)
+
+    _, vs = jax.lax.fori_loop(0, r, reflect, (a, jnp.zeros((m, r), a.dtype)))
+
+    def apply(i, q):
+        v = jax.lax.dynamic_index_in_dim(vs, r - 1 - i, 1, keepdims=False)
+        return q - 2.0 * v[:, None] * (v @ q)[None, :]
+
+    return jax.lax.fori_loop(0, r, apply, jnp.eye(m, r, dtype=a.dtype))
+
+
+def qr_q(a):
+    """``Q`` ``[..., m, min(m, k)]`` of the reduced QR of ``[..., m, k]``: orthonormal
+    columns whose span holds the columns of ``a``.
+
+    On the CPU: Householder reflections in plain XLA operations (:func:`_householder_q`),
+    which batch under ``vmap`` as array operations and never wait on XLA's thread pool
+    (jaxlib's LAPACK QR of more than about ``2e5`` flops does, and stalled 100-150 ms a
+    call when another process kept a core busy: ``docs/implementation_notes.md``). Other
+    platforms: ``jnp.linalg.qr``. The two ``Q`` agree up to rounding (the same signs).
+    """
+    a = jnp.asarray(a)
+    if a.ndim < 2:
+        raise ValueError(f"expected a matrix or a batch of matrices, got shape {a.shape}")
+    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
+    out = jax.lax.platform_dependent(
+        flat,
+        cpu=jax.vmap(_householder_q),
+        default=jax.vmap(lambda x: jnp.linalg.qr(x)[0]),
+    )
+    return jnp.reshape(out, (*a.shape[:-2], *out.shape[-2:]))
 
 
 # Above this size Gauss-Jordan eliminates blocks of at most this many columns at a time.
