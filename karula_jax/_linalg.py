@@ -104,8 +104,8 @@ def qr_q(a):
 
     On the CPU: Householder reflections in plain XLA operations (:func:`_householder_q`),
     which batch under ``vmap`` as array operations and never wait on XLA's thread pool
-    (jaxlib's LAPACK QR of more than about ``2e5`` flops does, and stalled 100-150 ms a
-    call when another process kept a core busy: ``docs/implementation_notes.md``). Other
+    (jaxlib's LAPACK QR of more than about ``2e5`` flops does, and stalls while other
+    processes keep the cores busy: ``docs/implementation_notes.md``). Other
     platforms: ``jnp.linalg.qr``. The two ``Q`` agree up to rounding (the same signs).
     """
     a = jnp.asarray(a)
