@@ -59,43 +59,89 @@ eigvalsh = _unbatched_on_cpu(lambda a: jnp.linalg.eigvalsh(a))
 eigvalsh.__doc__ = "``jnp.linalg.eigvalsh`` of ``[..., n, n]``; batches run unbatched on CPU."
 
 
+# Householder reflections are taken by panels of at most this many columns (a reflection
+# inside a panel reads only the panel; the rest of the matrix takes the panel's at once).
+_QR_BLOCK = 32
+
+
+def _reflector(x, j, rows):
+    """The unit vector ``v`` of the reflection ``I - 2 v v^T`` that maps ``x`` (zero above
+    row ``j``) onto ``-sign(x_j) ||x|| e_j`` (LAPACK's sign, so no cancellation); ``v = 0``
+    (the identity) where ``x`` is zero or has the single entry ``j = m - 1``, as LAPACK."""
+    big = jnp.max(jnp.abs(x))
+    x = x / jnp.where(big > 0, big, 1.0)  # scaled: no overflow in the squares
+    head = jax.lax.dynamic_index_in_dim(x, j, keepdims=False)
+    norm = jnp.sqrt(jnp.sum(x * x))
+    v = x + jnp.where(head < 0, -norm, norm) * (rows == j)
+    size = jnp.sqrt(jnp.sum(v * v))
+    return jnp.where((size > 0) & (j < rows.shape[0] - 1), v / jnp.where(size > 0, size, 1.0), 0.0)
+
+
+def _compact_wy(v):
+    """``T`` ``[b, b]`` upper triangular with ``H_1 ... H_b = I - V T V^T`` for the
+    reflections ``H_i = I - 2 v_i v_i^T`` of the columns of ``v`` ``[m, b]``.
+
+    ``T^{-1} = I / 2 + strictly_upper(V^T V)`` (Schreiber and Van Loan), so ``T = 2 (I +
+    N)^{-1}`` with ``N = 2 strictly_upper(V^T V)`` nilpotent: ``(I + N)^{-1} = (I - N)(I +
+    N^2)(I + N^4) ...`` up to ``N^b = 0``, ``ceil(log2 b)`` factors, matrix products only.
+    """
+    b = v.shape[1]
+    n = 2.0 * jnp.triu(v.T @ v, 1)
+    eye = jnp.eye(b, dtype=v.dtype)
+    t, power = eye - n, n @ n
+    for _ in range(max(0, (b - 1).bit_length() - 1)):
+        t = t @ (eye + power)
+        power = power @ power
+    return 2.0 * t
+
+
 def _householder_q(a):
     """``Q`` of the reduced QR of one ``[m, k]`` matrix by Householder reflections in plain
-    XLA operations (``r = min(m, k)`` reflections, ``O(m k r)``), ``[m, r]``.
+    XLA operations, ``[m, r]`` with ``r = min(m, k)``.
 
-    Reflection ``j`` maps the part of column ``j`` from row ``j`` down onto ``-sign(x_j)
-    ||x|| e_j`` (LAPACK's sign, so no cancellation); where that part is zero (a
-    rank-deficient ``a``) or a single entry, the reflection is the identity, as LAPACK's.
-    ``Q`` is the product of the reflections applied to the first ``r`` columns of the
-    identity, so its columns are orthonormal for every ``a``, and the columns of ``a`` lie
-    in their span.
+    Reflection ``j`` (:func:`_reflector`) zeroes column ``j`` below row ``j``. They are
+    taken by panels of ``b <= _QR_BLOCK`` columns: inside a panel one at a time on the
+    panel, then the panel's product ``I - V T V^T`` (``V`` its unit vectors ``[m, b]``,
+    ``T`` upper triangular, LAPACK's compact WY form) on the whole matrix by three matrix
+    products. ``Q`` is the product of all reflections applied to the first ``r`` columns of
+    the identity, panel by panel, so its columns are orthonormal for every ``a`` and the
+    columns of ``a`` lie in their span.
     """
     m, k = a.shape
     r = min(m, k)
+    b = min(r, _QR_BLOCK)
+    panels = -(-r // b)
+    # the first r columns determine Q; zero columns (up to a whole panel) reflect nothing
+    a = jnp.zeros((m, panels * b), a.dtype).at[:, :r].set(a[:, :r])
     rows = jnp.arange(m)
 
-    def reflect(j, carry):
-        work, vs = carry
-        x = jnp.where(rows >= j, jax.lax.dynamic_index_in_dim(work, j, 1, keepdims=False), 0.0)
-        big = jnp.max(jnp.abs(x))
-        x = x / jnp.where(big > 0, big, 1.0)  # scaled: no overflow in the squares
-        head = jax.lax.dynamic_index_in_dim(x, j, keepdims=False)
-        norm = jnp.sqrt(jnp.sum(x * x))
-        v = x + jnp.where(head < 0, -norm, norm) * (rows == j)
-        size = jnp.sqrt(jnp.sum(v * v))
-        # A zero subcolumn, or a single entry (LAPACK leaves the last row of a wide ``a``
-        # as it is), takes the identity (v = 0).
-        v = jnp.where((size > 0) & (j < m - 1), v / jnp.where(size > 0, size, 1.0), 0.0)
-        work = work - 2.0 * v[:, None] * (v @ work)[None, :]
-        return work, jax.lax.dynamic_update_index_in_dim(vs, v, j, 1)
+    def panel_step(p, carry):
+        work, vs, ts = carry
+        j0 = p * b
 
-    _, vs = jax.lax.fori_loop(0, r, reflect, (a, jnp.zeros((m, r), a.dtype)))
+        def reflect(i, c):
+            panel, v_panel = c
+            col = jax.lax.dynamic_index_in_dim(panel, i, 1, keepdims=False)
+            v = _reflector(jnp.where(rows >= j0 + i, col, 0.0), j0 + i, rows)
+            panel = panel - 2.0 * v[:, None] * (v @ panel)[None, :]
+            return panel, jax.lax.dynamic_update_index_in_dim(v_panel, v, i, 1)
 
-    def apply(i, q):
-        v = jax.lax.dynamic_index_in_dim(vs, r - 1 - i, 1, keepdims=False)
-        return q - 2.0 * v[:, None] * (v @ q)[None, :]
+        panel = jax.lax.dynamic_slice_in_dim(work, j0, b, axis=1)
+        _, v = jax.lax.fori_loop(0, b, reflect, (panel, jnp.zeros((m, b), a.dtype)))
 
-    return jax.lax.fori_loop(0, r, apply, jnp.eye(m, r, dtype=a.dtype))
+        t = _compact_wy(v)
+        work = work - v @ (t.T @ (v.T @ work))  # the panel's reflections, first to last
+        vs = jax.lax.dynamic_update_index_in_dim(vs, v, p, 0)
+        return work, vs, jax.lax.dynamic_update_index_in_dim(ts, t, p, 0)
+
+    init = (a, jnp.zeros((panels, m, b), a.dtype), jnp.zeros((panels, b, b), a.dtype))
+    _, vs, ts = jax.lax.fori_loop(0, panels, panel_step, init)
+
+    def apply(i, q):  # the last panel first
+        v, t = vs[panels - 1 - i], ts[panels - 1 - i]
+        return q - v @ (t @ (v.T @ q))
+
+    return jax.lax.fori_loop(0, panels, apply, jnp.eye(m, r, dtype=a.dtype))
 
 
 def qr_q(a):
