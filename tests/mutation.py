@@ -148,10 +148,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "certificate_half_gap_laplacian",
         "karula_jax/projection/laplacian.py",
-        "    th, delta = certify(ev, False)\n",
-        "    th, delta = certify(ev, False)\n    delta = 0.5 * delta\n",
+        "    th, delta = cert\n",
+        "    th, delta = cert\n    delta = 0.5 * delta\n",
         PROJ_TESTS,
         "certificate, Laplacian dual only: the final report halves the gap",
+    ),
+    Mutant(
+        "cg_restart_ignores_start",
+        "karula_jax/projection/laplacian.py",
+        "    r = b if start is None else b - op(start)\n",
+        "    r = b\n",
+        PROJ_TESTS,
+        "Laplacian dual: CG resumed from a start takes the right-hand side as its residual",
+    ),
+    Mutant(
+        "refine_keeps_crossing_pairs_free",
+        "karula_jax/projection/laplacian.py",
+        "        active = active | crossing(active, s)\n",
+        "        active = active\n",
+        PROJ_TESTS,
+        "Laplacian dual: the refinement passes leave the pairs the step takes below 0 free",
     ),
     Mutant(
         "dykstra_multipliers_unclipped",

@@ -656,3 +656,52 @@ def test_recertified_gram_evaluation_equals_the_certified_one():
     drop = 0.5 * np.sum(res * res)
     assert drop > 1e-3 * abs(float(fast.g))
     np.testing.assert_allclose(float(got.g), float(fast.g) - drop, rtol=1e-5)
+
+
+def test_pcg_from_a_start_solves_the_system():
+    """CG from 0 and from any start reach the solution of an SPD system (the refinement
+    passes of the Laplacian solver resume CG from the previous pass's step)."""
+    from karula_jax.projection import laplacian
+
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        a = rng.normal(size=(20, 20))
+        m = jnp.asarray(a @ a.T + 20 * np.eye(20) * rng.uniform(0.1, 10, size=20))
+        b = jnp.asarray(rng.normal(size=20))
+        want = np.linalg.solve(np.asarray(m), np.asarray(b))
+        dot = lambda u, w: jnp.sum(u * w)
+        for start in (None, jnp.zeros(20), jnp.asarray(rng.normal(size=20)), jnp.asarray(want)):
+            got = laplacian._pcg(
+                lambda x: m @ x, b, jnp.diag(m), dot, rtol=1e-12, max_iter=200, start=start
+            )
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
+
+
+def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
+    """With exact CG, the refined step fixes at 0 every free pair that the first step took
+    below 0, and on the pairs left free solves ``-H s + mu s = grad`` (``_hvp`` is ``-H``)."""
+    from karula_jax.projection import certificate, laplacian, reduction
+
+    monkeypatch.setattr(laplacian, "_CG_RTOL", 1e-13)
+    v, radii_sq = _instance(3, 12, 4, "groups")
+    rng = np.random.default_rng(4)
+    with jax.enable_x64(True):
+        red = reduction.reduce_problem(jnp.asarray(v), jnp.asarray(radii_sq), rotate=False)
+        mask = np.asarray(certificate.dual_mask(red))
+        lam = np.triu(rng.uniform(0, 0.3, size=(12, 12)) * (rng.uniform(size=(12, 12)) < 0.5), 1)
+        lam = jnp.asarray(np.where(mask, lam + lam.T, 0.0))
+        ev = certificate.dual_eval(lam, red, gram=False)
+        steps = {}
+        for refine in (0, 5):
+            monkeypatch.setattr(laplacian, "_REFINE", refine)
+            steps[refine] = np.asarray(laplacian._direction(red, mask, lam, ev, True, 500)[0])
+        lam = np.asarray(lam)
+        crossed = mask & (lam + steps[0] < 0) & (steps[0] != -lam)
+        assert crossed.any()  # the instance exercises the refinement
+        s = steps[5]
+        fixed = mask & (s == -lam)
+        assert fixed[crossed].all()
+        free = mask & ~fixed
+        residual = np.asarray(ev.grad) - np.asarray(laplacian._hvp(ev, mask, jnp.asarray(s)))
+        scale = np.abs(np.asarray(ev.grad)[mask]).max()
+        assert np.abs(residual[free]).max() <= 1e-8 * scale

@@ -35,6 +35,9 @@ _ENTER = 0.25
 _HALVINGS = 31
 # Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
 _SWEEPS = 4
+# Times the step's face is refined (``_direction``): the fewest iterations for the time on
+# the ridge transients of results/bench/README.md.
+_REFINE = 2
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
@@ -197,7 +200,12 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     relative violation is under ``_ENTER`` times the largest such violation: letting
     every slightly violated pair in at once overshoots, and the active set oscillates.
     The free pairs solve ``H_FF s_F = -(grad_F + H_FA s_A)`` by preconditioned CG (at
-    most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner).
+    most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner). Then, up to
+    ``_REFINE`` times, the free pairs that the step takes below 0 are fixed at 0 too and
+    CG resumes from the step on the pairs left free: the step's face is settled with
+    Hessian products only, before the line search pays for an evaluation (``O(n^3)``),
+    which halves the Newton iterations where many pairs change sign
+    (``results/bench/README.md``).
     """
     eps = jnp.finfo(red.w.dtype).eps
     a_inv = ev.a_inv
@@ -212,28 +220,49 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     waiting = mask & (lam <= 0) & (ev.grad > 0)
     cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
     active = active | (waiting & (rel < cut))
-    free = mask & ~active
-    s_fixed = jnp.where(active, -lam, 0.0)
-    b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
-    op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
-    s = _pcg(
-        op,
-        b,
-        jnp.where(free, pre, 1.0),
-        _pair_dot,
-        rtol=_CG_RTOL,
-        max_iter=cg_iter,
-        running=running,
-    )
-    return jnp.where(free, s, s_fixed), jnp.where(mask, diag_step, 0.0)
+
+    def solve(active, start):
+        """The Newton step with the pairs ``active`` fixed at 0, CG from ``start``."""
+        free = mask & ~active
+        s_fixed = jnp.where(active, -lam, 0.0)
+        b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
+        op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
+        s = _pcg(
+            op,
+            b,
+            jnp.where(free, pre, 1.0),
+            _pair_dot,
+            rtol=_CG_RTOL,
+            max_iter=cg_iter,
+            running=running,
+            start=None if start is None else jnp.where(free, start, 0.0),
+        )
+        return jnp.where(free, s, s_fixed)
+
+    def crossing(active, s):  # free pairs that the step takes below 0
+        return mask & ~active & (lam + s < 0)
+
+    def refine(c):
+        k, active, s = c
+        active = active | crossing(active, s)
+        return k + 1, active, solve(active, s)
+
+    def more(c):
+        k, active, s = c
+        return running & (k < _REFINE) & jnp.any(crossing(active, s))
+
+    _, _, s = jax.lax.while_loop(more, refine, (0, active, solve(active, None)))
+    return s, jnp.where(mask, diag_step, 0.0)
 
 
-def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):
-    """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD); no iteration
-    when ``running`` is False."""
-    x = jnp.zeros_like(b)
-    z = b / pre
+def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None):
+    """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD) from ``start``
+    (None: 0), until the residual is ``rtol`` times ``b``'s; no iteration when
+    ``running`` is False."""
     stop = (rtol**2) * dot(b, b)
+    x = jnp.zeros_like(b) if start is None else start
+    r = b if start is None else b - op(start)
+    z = r / pre
 
     def cond(c):
         _, r, _, _, k = c
@@ -242,12 +271,16 @@ def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True):
     def body(c):
         x, r, p, rz, k = c
         ap = op(p)
-        alpha = rz / jnp.maximum(dot(p, ap), jnp.finfo(b.dtype).tiny)
+        curvature = dot(p, ap)
+        # Rounding can leave no positive curvature along p once r is at rounding level:
+        # then stop where x is (k = max_iter), rather than divide by it.
+        ok = curvature > 0
+        alpha = jnp.where(ok, rz / jnp.where(ok, curvature, 1.0), 0.0)
         x = x + alpha * p
         r = r - alpha * ap
         z = r / pre
         rz_new = dot(r, z)
         p = z + (rz_new / jnp.maximum(rz, jnp.finfo(b.dtype).tiny)) * p
-        return x, r, p, rz_new, k + 1
+        return x, r, p, rz_new, jnp.where(ok, k + 1, max_iter)
 
-    return jax.lax.while_loop(cond, body, (x, b, z, dot(b, z), 0))[0]
+    return jax.lax.while_loop(cond, body, (x, r, z, dot(r, z), 0))[0]
