@@ -692,7 +692,7 @@ def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
         lam = jnp.asarray(np.where(mask, lam + lam.T, 0.0))
         ev = certificate.dual_eval(lam, red, gram=False)
         steps = {}
-        for refine in (0, 5):
+        for refine in (0, 5):  # several passes, whatever the default
             monkeypatch.setattr(laplacian, "_REFINE", refine)
             steps[refine] = np.asarray(laplacian._direction(red, mask, lam, ev, True, 500)[0])
         lam = np.asarray(lam)

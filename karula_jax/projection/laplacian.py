@@ -35,9 +35,10 @@ _ENTER = 0.25
 _HALVINGS = 31
 # Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
 _SWEEPS = 4
-# Times the step's face is refined (``_direction``): the fewest iterations for the time on
-# the ridge transients of results/bench/README.md.
-_REFINE = 2
+# Times the step's face is refined (``_direction``): once cuts the Newton iterations at
+# n >= 100 as much, for the time, as twice, which lengthens some runs at n = 30
+# (results/bench/README.md).
+_REFINE = 1
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
