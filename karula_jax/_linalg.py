@@ -8,10 +8,12 @@ which XLA's thunk executor starts concurrently), every thread blocks and the pro
 (the reproducer and how often it hung: ``docs/implementation_notes.md``). Later
 open-source jaxlib builds no longer parallelize these calls.
 
-The functions here batch, under ``jax.vmap`` or over leading axes, as a loop of unbatched
-calls on the CPU (jaxlib runs an unbatched call inline) and as one batched call on other
-platforms. Nested vmaps stay unbatched too: the loop body calls the wrapped function again,
-so every enclosing vmap applies the same rule.
+``eigh`` and ``eigvalsh`` batch, under ``jax.vmap`` or over leading axes, as a loop of
+unbatched calls on the CPU (jaxlib runs an unbatched call inline) and as one batched call
+on other platforms. Nested vmaps stay unbatched too: the loop body calls the wrapped
+function again, so every enclosing vmap applies the same rule. ``qr_q`` and
+``inv_spd_dominant`` call no LAPACK on the CPU at all (plain XLA operations, which batch as
+array operations) and the batched ``jnp`` routines elsewhere (:func:`_per_platform`).
 """
 
 from __future__ import annotations
@@ -157,12 +159,14 @@ def qr_q(a):
     a = jnp.asarray(a)
     if a.ndim < 2:
         raise ValueError(f"expected a matrix or a batch of matrices, got shape {a.shape}")
+    return _per_platform(a, cpu=_householder_q, default=lambda x: jnp.linalg.qr(x)[0])
+
+
+def _per_platform(a, *, cpu, default):
+    """``cpu`` (on the CPU) or ``default`` (elsewhere) of every matrix of ``a``
+    ``[..., m, k]``, vmapped over the flattened leading axes; ``[..., m', k']``."""
     flat = jnp.reshape(a, (-1, *a.shape[-2:]))
-    out = jax.lax.platform_dependent(
-        flat,
-        cpu=jax.vmap(_householder_q),
-        default=jax.vmap(lambda x: jnp.linalg.qr(x)[0]),
-    )
+    out = jax.lax.platform_dependent(flat, cpu=jax.vmap(cpu), default=jax.vmap(default))
     return jnp.reshape(out, (*a.shape[:-2], *out.shape[-2:]))
 
 
@@ -248,10 +252,5 @@ def inv_spd_dominant(a):
     a = jnp.asarray(a)
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
-    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
-    out = jax.lax.platform_dependent(
-        flat,
-        cpu=jax.vmap(_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked),
-        default=jax.vmap(_cholesky_inverse),
-    )
-    return jnp.reshape(out, a.shape)
+    cpu = _gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked
+    return _per_platform(a, cpu=cpu, default=_cholesky_inverse)
