@@ -214,6 +214,42 @@ def test_run_many_rejects_bad_batch_arguments():
         training.run_many(make, PARAMS, DATA, key=keys[0], **kw)
 
 
+def test_grid_shares_the_key_and_a_round_that_breaks_that_is_refused():
+    """Grid points of a member draw with the member's key (the round's draws and data
+    gathers are shared by the grid); a round whose key depends on a hyperparameter
+    would silently run every grid point on the first one's draws, so it is refused."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    hyper = {"eta": jnp.array([0.3, 0.1, 0.2])}
+
+    def keyed_by(eta):
+        alg = toy(eta=eta)
+
+        def round_(state, data):
+            new, info = alg.round(state, data)
+            return new._replace(key=jax.random.fold_in(new.key, (100 * eta).astype(int))), info
+
+        return alg._replace(round=round_)
+
+    kw = dict(keys=keys, num_rounds=2, hyper=hyper, progress=False)
+    with pytest.raises(ValueError, match="keep FedState.key and FedState.round equal on every"):
+        training.run_many(keyed_by, PARAMS, DATA, **kw)
+    # A round that leaves them alone runs, and a ValueError of its own passes through.
+    many = training.run_many(lambda eta: toy(eta=eta), PARAMS, DATA, **kw)
+    assert many.state.key.shape[:2] == (2, 3) and many.state.round.shape == (2, 3)
+    np.testing.assert_array_equal(many.state.round, 2)
+
+    def own_error(eta):
+        alg = toy(eta=eta)
+
+        def round_(state, data):
+            raise ValueError("the round's own message")
+
+        return alg._replace(round=round_)
+
+    with pytest.raises(ValueError, match="the round's own message"):
+        training.run_many(own_error, PARAMS, DATA, **kw)
+
+
 def test_nonfinite_batch_member_is_named():
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     # eta = 30 makes member 1 overflow float32 within a few rounds, member 0 stays finite.

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from karula_jax._checks import DeferredChecks, defer, deferred_checks
-from karula_jax.algorithms.base import Algorithm
+from karula_jax.algorithms.base import Algorithm, FedState
 from karula_jax.training import checkpoint as ckpt
 from karula_jax.training.diagnostics import warn_unconverged, where_in_batch
 from karula_jax.training.loop import EvalFn, RunResult, run_chunks
@@ -123,6 +123,41 @@ def _check_batch_kwargs(
                 )
         out[name] = value
     return out
+
+
+def _over_grid(fn, hyper, state, *, is_round: bool):
+    """``fn(h, state_g)`` vmapped over the grid ``hyper`` and the grid axis of ``state``;
+    ``fn`` is a round (returning ``(FedState, info)``) when ``is_round``.
+
+    Every grid point of a member starts from the member's key (``init``) and counts the
+    same rounds, so a :class:`FedState`'s ``key`` and ``round`` enter unbatched: the
+    round's participants and minibatch indices are drawn once per member, and its
+    clients' data are gathered once and shared by the whole grid (a matrix product over
+    the grid instead of one matrix-vector product per grid point, which streams the
+    data from memory once per point). A round that makes ``key`` or ``round`` depend on
+    a hyperparameter breaks that contract and raises a ValueError.
+    """
+    if not isinstance(state, FedState):
+        return jax.vmap(fn)(hyper, state)
+    shared = state._replace(key=state.key[0], round=state.round[0])
+    axes = FedState(params=0, memory=0, proj_state=0, extra=0, key=None, round=None)
+    if not is_round:
+        return jax.vmap(fn, in_axes=(0, axes))(hyper, shared)
+    try:
+        new, info = jax.vmap(fn, in_axes=(0, axes), out_axes=(axes, 0))(hyper, shared)
+    except ValueError as err:
+        # jax's wordings for an output batched against out_axes=None (0.10, earlier)
+        ours = ("out_axes[0].key", "out_axes[0].round", "out_axes is None")
+        if not any(w in str(err) for w in ours):
+            raise
+        raise ValueError(
+            "an algorithm's round must keep FedState.key and FedState.round equal on every "
+            "grid point (the run key and the round counter), but they depend on a "
+            f"hyperparameter of hyper={sorted(hyper)}"
+        ) from err
+    size = jax.tree.leaves(hyper)[0].shape[0]
+    grow = lambda a: jnp.broadcast_to(a, (size, *jnp.shape(a)))
+    return new._replace(key=grow(new.key), round=grow(new.round)), info
 
 
 def _factory_checks(
@@ -216,14 +251,17 @@ def _members(
     d_axis = 0 if data_per_seed else None
     p_axis = 0 if params_per_seed else None
 
-    def batched(method):
+    def batched(method, is_round=False):
         """``method(alg, state, data)`` vmapped over the grid (inner) and members (outer)."""
 
         def per_member(state_s, data_s, kw_s):
             if grid is None:
                 return method(make_algorithm(**kw_s), state_s, data_s)
-            return jax.vmap(lambda h, st: method(make_algorithm(**kw_s, **h), st, data_s))(
-                hyper, state_s
+            return _over_grid(
+                lambda h, st: method(make_algorithm(**kw_s, **h), st, data_s),
+                hyper,
+                state_s,
+                is_round=is_round,
             )
 
         def apply(state, data_kw):
@@ -257,7 +295,7 @@ def _members(
             defer(message, ok)
         return state
 
-    round_ = batched(lambda alg, st, d: alg.round(st, d))
+    round_ = batched(lambda alg, st, d: alg.round(st, d), is_round=True)
     client_params = batched(lambda alg, st, d: alg.client_params(st, d))
     return Algorithm(init=init, round=round_, client_params=client_params)
 
@@ -282,7 +320,10 @@ def vmap_algorithm(
     ``hyper``): ``init(params, data, key=keys)`` takes stacked keys ``[S]`` and every grid
     point of member ``s`` starts from ``keys[s]`` (common random numbers, so grid points
     are compared on the same participation draws and minibatches). ``client_params``
-    returns leaves ``[S, G, n, ...]`` and RoundInfo leaves are ``[S, G, ...]``.
+    returns leaves ``[S, G, n, ...]`` and RoundInfo leaves are ``[S, G, ...]``. A round
+    takes a :class:`FedState`'s ``key`` and ``round`` from the member, not per grid point
+    (draws and data gathers once per member); one whose new ``key`` or ``round`` depends
+    on a hyperparameter raises a ValueError.
 
     Args:
       make_algorithm: factory ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``.
