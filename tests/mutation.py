@@ -220,10 +220,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ifca_argmax",
         "karula_jax/algorithms/ifca.py",
-        "return jnp.argmin(_cluster_losses(loss, clusters, xb, yb, mb)).astype(jnp.int32)",
-        "return jnp.argmax(_cluster_losses(loss, clusters, xb, yb, mb)).astype(jnp.int32)",
+        "return jnp.argmin(losses).astype(jnp.int32)",
+        "return jnp.argmax(losses).astype(jnp.int32)",
         ("tests/test_alg_baselines.py",),
         "IFCA: each participant joins its worst cluster (argmax of the losses)",
+    ),
+    Mutant(
+        "ifca_bound_unmasked",
+        "karula_jax/algorithms/ifca.py",
+        "return losses if active is None else jnp.where(active, losses, jnp.inf)",
+        "return losses",
+        ("tests/test_alg_baselines.py",),
+        "IFCA below max_clusters: the clusters from k on can be chosen",
     ),
     Mutant(
         "ditto_prox_missing_step",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _alg_problems import (
     DIM,
     LAM,
@@ -29,6 +30,7 @@ from karula_jax.algorithms import (
     pfedme,
 )
 from karula_jax.data import from_client_arrays
+from karula_jax.training import run_many
 
 FULL = 64
 run = jax.jit(scan_run, static_argnums=(0, 4))
@@ -155,6 +157,50 @@ def test_ifca_default_init_perturbs_all_but_the_first_cluster():
     np.testing.assert_array_equal(clusters[0], np.asarray(params))
     noise = clusters[1:] - np.asarray(params)
     assert abs(noise.std() - 0.5) < 0.05 and abs(noise.mean()) < 0.05
+
+
+def test_ifca_with_a_bound_runs_k_traced_and_equals_static_k():
+    """``num_clusters`` up to ``max_clusters`` (traced under vmap) gives the static-k run:
+    the same first k initial clusters, the same choices, the same models; the clusters
+    from k on are never chosen. Bad counts are refused, concretely and when traced."""
+    data, _ = _two_groups()
+    kw = dict(learning_rate=0.05, clients_per_round=3, batch_size=4, init_scale=1.0)
+    key, rounds = jax.random.key(21), 12
+    bounded = lambda k: ifca(LOSS, num_clusters=k, max_clusters=5, **kw)
+    batch = jax.jit(jax.vmap(lambda k: scan_run(bounded(k), zeros(), data, key, rounds)[0]))
+    states = batch(jnp.array([1.0, 2.0, 3.0, 5.0]))
+    for g, k in enumerate((1, 2, 3, 5)):
+        want, _, _ = run(ifca(LOSS, num_clusters=k, **kw), zeros(), data, key, rounds)
+        got = jax.tree.map(lambda a, g=g: a[g], states)
+        np.testing.assert_array_equal(got.extra.assignment, want.extra.assignment)
+        assert int(np.max(got.extra.assignment)) < k
+        np.testing.assert_allclose(got.params, want.params, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.extra.clusters[:k], want.extra.clusters, atol=1e-6)
+        chosen = np.asarray(bounded(k).client_params(got, data))
+        np.testing.assert_allclose(
+            chosen, ifca(LOSS, num_clusters=k, **kw).client_params(want, data), atol=1e-6
+        )
+    for bad in (0, 6, 2.5):
+        with pytest.raises(
+            ValueError, match="num_clusters must be an integer from 1 to max_clusters=5"
+        ):
+            bounded(bad)
+    with pytest.raises(TypeError, match="num_clusters must be an integer from 1"):
+        bounded("3")
+    with pytest.raises(TypeError, match="num_clusters must be a positive Python int"):
+        ifca(LOSS, num_clusters=jnp.float32(2.0), **kw)  # no bound: k must be static
+    with pytest.raises(
+        ValueError, match=r"num_clusters is not an integer from 1 to max_clusters=5.*grid point 1"
+    ):
+        run_many(
+            lambda num_clusters: bounded(num_clusters),
+            zeros(),
+            data,
+            keys=jax.random.split(key, 1),
+            num_rounds=1,
+            hyper={"num_clusters": jnp.array([2.0, 6.0])},
+            progress=False,
+        )
 
 
 def test_pfedme_reaches_moreau_envelope_stationary_point():

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._local import local_train
@@ -19,7 +20,8 @@ class IFCAState(NamedTuple):
     """``FedState.extra`` of :func:`ifca`.
 
     Attributes:
-      clusters: the ``k`` cluster models, pytree with leaves ``[k, ...]``.
+      clusters: the cluster models, pytree with leaves ``[k, ...]`` (``[max_clusters,
+        ...]`` with a bound, of which the first ``k`` are in use).
       assignment: cluster each client chose when it last participated (at ``init``:
         the best cluster on its full training data), int32 ``[n]``.
     """
@@ -33,21 +35,48 @@ def _cluster_losses(loss, clusters, x, y, mask):
     return jax.vmap(lambda c: loss(c, x, y, mask))(clusters)
 
 
-def ifca_assign(loss: LossFn, clusters: Any, data: ClientData) -> jnp.ndarray:
+def _masked(losses, active):
+    """``losses`` ``[..., k]`` with the clusters outside ``active`` ``[k]`` (None: all in)
+    at ``+inf``, so that no argmin picks them."""
+    return losses if active is None else jnp.where(active, losses, jnp.inf)
+
+
+def ifca_assign(loss: LossFn, clusters: Any, data: ClientData, active=None) -> jnp.ndarray:
     """Best cluster of every client on its full training data.
 
     Args:
       loss: the user loss.
       clusters: pytree with leaves ``[k, ...]``.
       data: the clients' data.
+      active: optional bool ``[k]``, the clusters in use (None: all).
 
     Returns:
-      int32 array of shape ``[n]``: ``argmin_c f_i(clusters[c])`` (ties: lowest ``c``).
+      int32 array of shape ``[n]``: ``argmin_c f_i(clusters[c])`` over the active ``c``
+      (ties: lowest ``c``).
     """
     losses = jax.vmap(lambda x, y, m: _cluster_losses(loss, clusters, x, y, m))(
         data.x, data.y, data.mask
     )
-    return jnp.argmin(losses, axis=1).astype(jnp.int32)
+    return jnp.argmin(_masked(losses, active), axis=1).astype(jnp.int32)
+
+
+def _cluster_count(num_clusters, max_clusters):
+    """``(capacity, active)``: the number of cluster models the state holds (static) and
+    the bool ``[capacity]`` mask of those in use (None: all). Checks both arguments."""
+    if max_clusters is None:
+        return C.check_positive_int("num_clusters", num_clusters), None
+    cap = C.check_positive_int("max_clusters", max_clusters)
+    expected = f"an integer from 1 to max_clusters={cap}"
+    k = C.concrete(num_clusters)
+    if k is not None:
+        if k.ndim != 0 or not np.issubdtype(k.dtype, np.number) or k.dtype == bool:
+            raise TypeError(f"num_clusters must be {expected}, got {num_clusters!r}")
+        if not (1 <= k <= cap and float(k) == round(float(k))):
+            raise ValueError(f"num_clusters must be {expected}, got {num_clusters!r}")
+    else:
+        k = jnp.asarray(num_clusters)
+        C.defer(f"num_clusters is not {expected}", (k >= 1) & (k <= cap) & (k == jnp.round(k)))
+    return cap, jnp.arange(cap) < jnp.asarray(k)
 
 
 def _check_initial_clusters(initial_clusters, k: int) -> None:
@@ -74,6 +103,15 @@ def _perturbed_clusters(params, key, k: int, init_scale):
     return jax.tree.unflatten(treedef, noisy)
 
 
+def _average(W, old, rows):
+    """Each cluster's ``W``-weighted average of the participants' returned ``rows``
+    ``[s, ...]`` (``W`` ``[s, k]``); a cluster no participant chose keeps ``old``."""
+    total = jnp.sum(W, axis=0)  # [k]
+    shape = (W.shape[1],) + (1,) * (rows.ndim - 1)
+    new = jnp.tensordot(W, rows, axes=(0, 0)) / jnp.maximum(total, 1e-30).reshape(shape)
+    return jnp.where((total > 0).reshape(shape), new.astype(old.dtype), old)
+
+
 def ifca(
     loss: LossFn,
     *,
@@ -85,6 +123,7 @@ def ifca(
     init_scale: float = 0.1,
     initial_clusters: Any = None,
     weights=None,
+    max_clusters: int | None = None,
 ) -> Algorithm:
     """IFCA with model averaging.
 
@@ -103,22 +142,29 @@ def ifca(
     loss on its full training data (:func:`ifca_assign`). ``state.params`` holds, for
     each client, the current model of the cluster it chose when it last participated.
 
+    With ``max_clusters``, ``k`` may be traced (a grid of ``k``, one program): the state
+    holds ``max_clusters`` models, drawn as for that many (the first ``k`` equal a static
+    ``k``'s draws under jax's default, partitionable threefry), those from ``k`` on never
+    chosen; the runs equal static-``k`` runs up to float rounding.
+
     Args:
       loss: ``loss(params, x, y, mask) -> scalar``.
-      num_clusters: ``k >= 1`` (static).
+      num_clusters: ``k >= 1``: a Python int (static), or with ``max_clusters`` an
+        integer-valued scalar up to it (traced allowed).
       learning_rate: local step size ``>= 0``; may be traced.
       clients_per_round: ``s`` (static).
       batch_size: ``B`` (static).
       local_steps: ``E`` (static), default 5.
       init_scale: standard deviation of the perturbation of clusters ``1..k-1``.
-      initial_clusters: optional pytree with leaves ``[k, ...]`` replacing the default
-        initialization.
+      initial_clusters: optional pytree with leaves ``[k, ...]`` (``[max_clusters, ...]``
+        with ``max_clusters``) replacing the default initialization.
       weights: optional ``alpha`` of shape ``[n]``.
+      max_clusters: optional static bound on ``num_clusters`` (see above).
 
     Returns:
       An :class:`Algorithm` with ``state.extra`` an :class:`IFCAState`.
     """
-    k = C.check_positive_int("num_clusters", num_clusters)
+    k, active = _cluster_count(num_clusters, max_clusters)
     C.check_nonnegative("learning_rate", learning_rate)
     s = C.check_positive_int("clients_per_round", clients_per_round)
     B = C.check_positive_int("batch_size", batch_size)
@@ -138,7 +184,7 @@ def ifca(
             C.check_params(loss, first, data, name="initial_clusters")
         else:
             clusters = _perturbed_clusters(params, key_init, k, init_scale)
-        assignment = ifca_assign(loss, clusters, data)
+        assignment = ifca_assign(loss, clusters, data, active)
         return FedState(
             params=C.gather(clusters, assignment),
             memory=(),
@@ -155,7 +201,8 @@ def ifca(
         def choose(x, y, c, kk):
             # The rows of local step 0, so the choice costs k losses on one minibatch.
             xb, yb, mb = C.client_batch(jax.random.fold_in(kk, 0), x, y, c, B)
-            return jnp.argmin(_cluster_losses(loss, clusters, xb, yb, mb)).astype(jnp.int32)
+            losses = _masked(_cluster_losses(loss, clusters, xb, yb, mb), active)
+            return jnp.argmin(losses).astype(jnp.int32)
 
         keys = C.client_keys(key_batch, idx)
         choice = jax.vmap(choose)(data.x[idx], data.y[idx], data.counts[idx], keys)
@@ -164,16 +211,7 @@ def ifca(
         rows, values = local_train(loss, start_full, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         W = jax.nn.one_hot(choice, k, dtype=jnp.float32) * a_s[:, None]  # [s, k]
-        total = jnp.sum(W, axis=0)  # [k]
-
-        def average(old, r):
-            new = jnp.tensordot(W, r, axes=(0, 0)) / jnp.maximum(total, 1e-30).reshape(
-                (k,) + (1,) * (r.ndim - 1)
-            )
-            keep = (total > 0).reshape((k,) + (1,) * (r.ndim - 1))
-            return jnp.where(keep, new.astype(old.dtype), old)
-
-        clusters = jax.tree.map(average, clusters, rows)
+        clusters = jax.tree.map(lambda c, r: _average(W, c, r), clusters, rows)
         assignment = state.extra.assignment.at[idx].set(choice)
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows, clusters))
         new_state = state._replace(
@@ -185,6 +223,6 @@ def ifca(
 
     def client_params(state: FedState, data: ClientData):
         clusters = state.extra.clusters
-        return C.gather(clusters, ifca_assign(loss, clusters, data))
+        return C.gather(clusters, ifca_assign(loss, clusters, data, active))
 
     return Algorithm(init=init, round=round_fn, client_params=client_params)

@@ -199,6 +199,9 @@ class MethodRow(NamedTuple):
       natural: ``natural(value) -> bool``, a value beyond which no wider grid exists;
         None: a value of 0 or inf (``"choice"``: a value of 1).
       projects: whether the method's rounds project (:attr:`Method.projects`).
+      bound: the factory keyword that takes a tuned grid's largest value, so that a
+        hyperparameter that fixes shapes runs traced below it, one compiled program for
+        the grid (IFCA's ``max_clusters``); a fixed value is passed as it is, without it.
     """
 
     name: str
@@ -212,6 +215,7 @@ class MethodRow(NamedTuple):
     shown: str | None = None
     natural: Callable[[Any], bool] | None = None
     projects: bool = False
+    bound: str | None = None
 
     def method(
         self,
@@ -257,6 +261,8 @@ class MethodRow(NamedTuple):
         if not isinstance(grid, tuple | list):  # a fixed value
             return Method(functools.partial(make, **{self.hyper: grid}))
         shown, hyper = self.shown or self.hyper, self.hyper
+        if self.bound is not None:
+            make = functools.partial(make, **{self.bound: max(grid)})
         if self.kind == "choice":
             natural = self.natural or (lambda c: c == 1)
             return Method(make, **choice_grid(hyper, grid, natural=natural))
@@ -279,6 +285,8 @@ def _build(row: MethodRow, loss, rates, fixed, /, **given) -> Algorithm:
     kw = dict(fixed)
     if row.hyper is not None:
         kw[row.hyper] = given[row.hyper]
+    if row.bound in given:  # a tuned grid's largest value (MethodRow.bound)
+        kw[row.bound] = given[row.bound]
     kw |= {key: given[name] for key, name in row.members.items() if name in given}
     kw |= {key: rates[rule](**given) for key, rule in row.rates.items()}
     return row.factory(loss, **kw)
@@ -323,8 +331,8 @@ _ROWS = (
         grid=(1, 2, 3, 4, 5),
         rates={"learning_rate": "ifca"},
         members={"initial_clusters": "clusters"},
-        kind="static",
         shown="k",
+        bound="max_clusters",
         natural=lambda k: k == 1,
     ),
     MethodRow(
