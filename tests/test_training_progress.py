@@ -4,7 +4,10 @@ They run on the toy algorithm of ``tests/_training_helpers.py``, so that they do
 depend on the real algorithms.
 """
 
+import types
+
 import jax
+import numpy as np
 from _training_helpers import (
     ALG,
     DATA,
@@ -14,6 +17,7 @@ from _training_helpers import (
 )
 
 from karula_jax import training
+from karula_jax.training.progress import scalar_summary
 
 
 def test_progress_bar_on_stderr(capsys):
@@ -32,3 +36,15 @@ def test_progress_bar_on_stderr(capsys):
     assert "CV folds" in err and "3/3" in err and "embedding" in err and "2/2" in err
     assert list(training.progress_bar([1, 2], enabled=False)) == [1, 2]
     assert capsys.readouterr().err == ""
+
+
+def test_bar_summary_averages_finite_runs_and_counts_the_others():
+    """A diverged grid point of a batch does not turn the bar's means into inf."""
+    last = types.SimpleNamespace(loss=np.array([[1.0, np.inf], [3.0, np.nan]]))
+    metrics = {"mse": np.array([[[1.0, 3.0], [np.inf, np.inf]], [[5.0, 7.0], [np.nan, 1.0]]])}
+    got = scalar_summary(last, metrics)
+    assert got == {"loss": 2.0, "mse": 3.4, "nonfinite_runs": 2}
+    fine = scalar_summary(types.SimpleNamespace(loss=np.array([1.0, 2.0])), {})
+    assert fine == {"loss": 1.5}  # no count when every run is finite
+    none = scalar_summary(types.SimpleNamespace(loss=np.array([np.nan])), {})
+    assert np.isnan(none["loss"]) and none["nonfinite_runs"] == 1

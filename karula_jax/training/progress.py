@@ -90,8 +90,21 @@ class RoundBar:
 
 
 def scalar_summary(info_last: RoundInfo, metrics: Mapping[str, np.ndarray]) -> dict:
-    """What the bar shows: the mean loss of the last round and the mean of every metric."""
-    out = {"loss": float(np.mean(info_last.loss))}
+    """What the bar shows: the last round's loss and every metric, each averaged over its
+    finite entries (runs and clients), and ``nonfinite_runs``, the number of runs whose
+    last loss is NaN or inf, when there are any: one diverged grid point of a batch (which
+    CV rejects) would otherwise make every mean inf and hide the others' progress."""
+    loss = np.asarray(info_last.loss, np.float64)
+    out = {"loss": _finite_mean(loss)}
     for name, value in metrics.items():
-        out[name] = float(np.mean(value))  # per-client (and per-run) metrics: their mean
+        out[name] = _finite_mean(value)
+    if not np.all(np.isfinite(loss)):
+        out["nonfinite_runs"] = int(np.sum(~np.isfinite(loss)))
     return out
+
+
+def _finite_mean(values) -> float:
+    """The mean of the finite entries of ``values`` (NaN when there are none)."""
+    v = np.asarray(values, np.float64)
+    finite = np.isfinite(v)
+    return float(np.mean(v[finite])) if finite.any() else float("nan")
