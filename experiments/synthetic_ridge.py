@@ -139,7 +139,7 @@ class SyntheticConfig:
 def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
     """A smoke-test version of ``cfg``: 2 seeds, few rounds and grid points (about 60 s)."""
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
-    # IFCA (one compilation per k) is run by the heart study's quick run and unit tests
+    # IFCA runs in the heart study's quick run and its unit tests (a shorter smoke run)
     quick = tuple(m for m in METHODS if m != "IFCA")
     small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0), methods=quick)
     return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, **small)

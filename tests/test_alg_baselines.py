@@ -187,6 +187,8 @@ def test_ifca_with_a_bound_runs_k_traced_and_equals_static_k():
             bounded(bad)
     with pytest.raises(TypeError, match="num_clusters must be an integer from 1"):
         bounded("3")
+    with pytest.raises(ValueError, match="leading axis max_clusters=5"):
+        ifca(LOSS, num_clusters=2, max_clusters=5, initial_clusters=jnp.zeros((2, DIM)), **kw)
     with pytest.raises(TypeError, match="num_clusters must be a positive Python int"):
         ifca(LOSS, num_clusters=jnp.float32(2.0), **kw)  # no bound: k must be static
     with pytest.raises(

@@ -347,7 +347,10 @@ def test_registry_builds_each_algorithm_with_its_rates_and_grid():
         got = _two_rounds(method.make(**member, **point), data, params)
         np.testing.assert_allclose(got, _two_rounds(want[name], data, params), rtol=1e-6)
     # IFCA's k runs traced below the grid's largest value (one program for the grid); the
-    # point k = 2 above equals the static k = 2.
+    # point k = 2 above equals the static k = 2, and k = 1 below the bound the static k = 1.
+    got = _two_rounds(suite["IFCA"].make(**member, **suite["IFCA"].points()[0]), data, params)
+    one = A.ifca(loss, num_clusters=1, learning_rate=r["ifca"], **local)
+    np.testing.assert_allclose(got, _two_rounds(one, data, params), rtol=1e-6)
     assert suite["IFCA"].static_grid is None and suite["IFCA"].labels() == ["k=1", "k=2"]
     np.testing.assert_array_equal(suite["IFCA"].grid["num_clusters"], [1.0, 2.0])
     assert suite["pFedMe"].labels() == [""]  # a single value is fixed, not a grid

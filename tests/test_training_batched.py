@@ -230,9 +230,29 @@ def test_grid_shares_the_key_and_a_round_that_breaks_that_is_refused():
 
         return alg._replace(round=round_)
 
+    def counted_by(eta):  # a round counter that depends on the grid point
+        alg = toy(eta=eta)
+
+        def round_(state, data):
+            new, info = alg.round(state, data)
+            return new._replace(round=new.round + (eta > 0.25).astype(jnp.int32)), info
+
+        return alg._replace(round=round_)
+
+    def started_by(eta):  # an init whose key depends on the grid point
+        alg = toy(eta=eta)
+
+        def init(params, data, *, key):
+            return alg.init(params, data, key=jax.random.fold_in(key, (100 * eta).astype(int)))
+
+        return alg._replace(init=init)
+
     kw = dict(keys=keys, num_rounds=2, hyper=hyper, progress=False)
-    with pytest.raises(ValueError, match="keep FedState.key and FedState.round equal on every"):
-        training.run_many(keyed_by, PARAMS, DATA, **kw)
+    for bad, where in ((keyed_by, "round"), (counted_by, "round"), (started_by, "init")):
+        with pytest.raises(
+            ValueError, match=f"algorithm's {where} must give FedState.key and FedState.round"
+        ):
+            training.run_many(bad, PARAMS, DATA, **kw)
     # A round that leaves them alone runs, and a ValueError of its own passes through.
     many = training.run_many(lambda eta: toy(eta=eta), PARAMS, DATA, **kw)
     assert many.state.key.shape[:2] == (2, 3) and many.state.round.shape == (2, 3)

@@ -79,13 +79,13 @@ def _cluster_count(num_clusters, max_clusters):
     return cap, jnp.arange(cap) < jnp.asarray(k)
 
 
-def _check_initial_clusters(initial_clusters, k: int) -> None:
+def _check_initial_clusters(initial_clusters, k: int, name: str) -> None:
     if initial_clusters is None:
         return
     for leaf in jax.tree.leaves(initial_clusters):
         if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != k:
             raise ValueError(
-                f"initial_clusters leaves must have leading axis num_clusters={k}, "
+                f"initial_clusters leaves must have leading axis {name}={k}, "
                 f"got shape {jnp.shape(leaf)}"
             )
         C.check_finite("initial_clusters", leaf)
@@ -143,9 +143,9 @@ def ifca(
     each client, the current model of the cluster it chose when it last participated.
 
     With ``max_clusters``, ``k`` may be traced (a grid of ``k``, one program): the state
-    holds ``max_clusters`` models, drawn as for that many (the first ``k`` equal a static
-    ``k``'s draws under jax's default, partitionable threefry), those from ``k`` on never
-    chosen; the runs equal static-``k`` runs up to float rounding.
+    holds ``max_clusters`` models, drawn as for that many, those from ``k`` on never
+    chosen. Under jax's default ``jax_threefry_partitionable=True`` the first ``k`` draws
+    equal a static ``k``'s, so the runs equal static-``k`` runs up to float rounding.
 
     Args:
       loss: ``loss(params, x, y, mask) -> scalar``.
@@ -171,7 +171,9 @@ def ifca(
     E = C.check_positive_int("local_steps", local_steps)
     C.check_nonnegative("init_scale", init_scale)
     C.check_weights(weights)
-    _check_initial_clusters(initial_clusters, k)
+    _check_initial_clusters(
+        initial_clusters, k, "num_clusters" if max_clusters is None else "max_clusters"
+    )
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)

@@ -48,7 +48,7 @@ class Method(NamedTuple):
       make: ``make(**member_kwargs, **hyper) -> Algorithm`` (traced values).
       grid: ``{name: [G] values}`` crossed in one compiled program (traced), or None.
       static_grid: entries ``{name: value}`` passed as Python values, one compilation
-        each (e.g. a number of clusters that fixes shapes), or None.
+        each (a value that fixes shapes and has no traced form), or None.
       label: names a grid point for tables, ``label(point) -> str``.
       natural: whether a grid point is a natural limit of the method (no wider grid
         exists beyond it), ``natural(point) -> bool``; None: a point whose every value is
@@ -192,8 +192,9 @@ class MethodRow(NamedTuple):
         :func:`build_methods`. Default: ``clients_per_round``, ``batch_size`` and
         ``local_steps`` (the FedAvg family's).
       kind: how the grid runs (:data:`GRID_KINDS`): ``"traced"`` (float32 values, one
-        compiled program), ``"static"`` (Python values, one compilation each, e.g. a
-        number of clusters that fixes shapes) or ``"choice"`` (the factory receives the
+        compiled program), ``"static"`` (Python values, one compilation each, for a value
+        that fixes shapes and has no traced form; IFCA's number of clusters has one, see
+        ``bound``) or ``"choice"`` (the factory receives the
         index of a value, traced; e.g. per-member labels ``[choices, n]``).
       shown: the hyperparameter's name in labels (default ``hyper``).
       natural: ``natural(value) -> bool``, a value beyond which no wider grid exists;

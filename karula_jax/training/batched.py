@@ -26,6 +26,7 @@ grids.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -143,21 +144,35 @@ def _over_grid(fn, hyper, state, *, is_round: bool):
     axes = FedState(params=0, memory=0, proj_state=0, extra=0, key=None, round=None)
     if not is_round:
         return jax.vmap(fn, in_axes=(0, axes))(hyper, shared)
-    try:
+    with _shared_key_contract("round"):
         new, info = jax.vmap(fn, in_axes=(0, axes), out_axes=(axes, 0))(hyper, shared)
+    size = jax.tree.leaves(hyper)[0].shape[0]
+    return new._replace(key=_grow(new.key, size), round=_grow(new.round, size)), info
+
+
+def _grow(a, size: int):
+    """``a`` repeated along a new leading grid axis of ``size``."""
+    return jnp.broadcast_to(a, (size, *jnp.shape(a)))
+
+
+@contextlib.contextmanager
+def _shared_key_contract(where: str):
+    """Turns jax's error for a FedState ``key``/``round`` that came out of the grid's
+    vmap batched (against ``out_axes=None``) into one that names the contract."""
+    try:
+        yield
     except ValueError as err:
-        # jax's wordings for an output batched against out_axes=None (0.10, earlier)
-        ours = ("out_axes[0].key", "out_axes[0].round", "out_axes is None")
-        if not any(w in str(err) for w in ours):
+        # jax 0.10's wording for an output batched against out_axes=None, at the paths
+        # of the key and round (FedState fields in a round, dict entries in an init)
+        paths = (".key", ".round", "['key']", "['round']")
+        if not any(f"{p}, got axis spec None" in str(err) for p in paths):
             raise
         raise ValueError(
-            "an algorithm's round must keep FedState.key and FedState.round equal on every "
-            "grid point (the run key and the round counter), but they depend on a "
-            f"hyperparameter of hyper={sorted(hyper)}"
+            f"an algorithm's {where} must give FedState.key and FedState.round the same "
+            "value on every grid point (the run key and the round counter; run_many and "
+            "vmap_algorithm draw once per member for its whole grid), but they differ "
+            "across grid points (through a hyperparameter or per-point state)"
         ) from err
-    size = jax.tree.leaves(hyper)[0].shape[0]
-    grow = lambda a: jnp.broadcast_to(a, (size, *jnp.shape(a)))
-    return new._replace(key=grow(new.key), round=grow(new.round)), info
 
 
 def _factory_checks(
@@ -283,11 +298,25 @@ def _members(
             messages[:] = [m for m, _ in found]
             return state, [jnp.all(ok) for _, ok in found]
 
-        # The key is batched over members only: every grid point of a member shares it.
+        # The key is batched over members only: every grid point of a member shares it,
+        # and so must the state's key and round (see _over_grid), which leave the grid's
+        # vmap unbatched (an init that makes them depend on a grid point is refused).
         def per_member(key_s, params_s, data_s, kw_s):
             if grid is None:
                 return checked(kw_s, {}, params_s, data_s, key_s)
-            return jax.vmap(lambda h: checked(kw_s, h, params_s, data_s, key_s))(hyper)
+
+            def point(h):
+                state, flags = checked(kw_s, h, params_s, data_s, key_s)
+                shared = {"key": state.key, "round": state.round}
+                return state, (shared if isinstance(state, FedState) else {}), flags
+
+            with _shared_key_contract("init"):
+                state, shared, flags = jax.vmap(point, out_axes=(0, None, 0))(hyper)
+            if shared:
+                state = state._replace(
+                    key=_grow(shared["key"], grid), round=_grow(shared["round"], grid)
+                )
+            return state, flags
 
         data, kw = data_kw
         state, flags = jax.vmap(per_member, in_axes=(0, p_axis, d_axis, 0))(key, params, data, kw)
@@ -530,7 +559,7 @@ def run_many(
     (``[s]`` only where the member axis is asked for), but all of them are ``jax.vmap``-ed
     into the chunk program of :func:`run`, so the whole batch compiles once and shares
     its progress bar, metrics, checkpoints and bit-identical resume. Results equal the
-    separate runs up to float rounding of batched kernels.
+    separate runs up to float rounding (a member's grid points draw once, with its key).
 
     **Batch layout.** Whatever differs between runs as data is the leading *member* axis
     ``[S]`` (e.g. CV folds x seeds), each member with its own key and, where the flags
@@ -581,7 +610,7 @@ def run_many(
       ValueError: a member axis that is not ``S`` long, a name both in ``batch_kwargs``
         and ``hyper``, an unknown ``shard``, a sharded axis the mesh size does not
         divide, a factory argument failing its check on some member or grid point before
-        anything runs (module docstring), and everything :func:`run` raises.
+        anything runs, a FedState key or round varying over the grid, all :func:`run` raises.
       TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
     """
     options = _check_run_options(run_kwargs, shard)
