@@ -126,9 +126,9 @@ def _check_batch_kwargs(
     return out
 
 
-def _over_grid(fn, hyper, state, *, is_round: bool):
-    """``fn(h, state_g)`` vmapped over the grid ``hyper`` and the grid axis of ``state``;
-    ``fn`` is a round (returning ``(FedState, info)``) when ``is_round``.
+def _over_grid(fn, hyper, state, *, size: int, is_round: bool):
+    """``fn(h, state_g)`` vmapped over the grid ``hyper`` (``size`` points) and the grid
+    axis of ``state``; ``fn`` is a round (returning ``(FedState, info)``) when ``is_round``.
 
     Every grid point of a member starts from the member's key (``init``) and counts the
     same rounds, so a :class:`FedState`'s ``key`` and ``round`` enter unbatched: the
@@ -146,7 +146,6 @@ def _over_grid(fn, hyper, state, *, is_round: bool):
         return jax.vmap(fn, in_axes=(0, axes))(hyper, shared)
     with _shared_key_contract("round"):
         new, info = jax.vmap(fn, in_axes=(0, axes), out_axes=(axes, 0))(hyper, shared)
-    size = jax.tree.leaves(hyper)[0].shape[0]
     return new._replace(key=_grow(new.key, size), round=_grow(new.round, size)), info
 
 
@@ -276,6 +275,7 @@ def _members(
                 lambda h, st: method(make_algorithm(**kw_s, **h), st, data_s),
                 hyper,
                 state_s,
+                size=grid,
                 is_round=is_round,
             )
 
@@ -351,8 +351,8 @@ def vmap_algorithm(
     are compared on the same participation draws and minibatches). ``client_params``
     returns leaves ``[S, G, n, ...]`` and RoundInfo leaves are ``[S, G, ...]``. A round
     takes a :class:`FedState`'s ``key`` and ``round`` from the member, not per grid point
-    (draws and data gathers once per member); one whose new ``key`` or ``round`` depends
-    on a hyperparameter raises a ValueError.
+    (draws and data gathers once per member); an ``init`` or round that makes them vary
+    over the grid raises a ValueError.
 
     Args:
       make_algorithm: factory ``make_algorithm(**batch_kwargs_s, **hyper_g) -> Algorithm``.

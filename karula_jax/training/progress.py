@@ -98,8 +98,9 @@ def scalar_summary(info_last: RoundInfo, metrics: Mapping[str, np.ndarray]) -> d
     out = {"loss": _finite_mean(loss)}
     for name, value in metrics.items():
         out[name] = _finite_mean(value)
-    if not np.all(np.isfinite(loss)):
-        out["nonfinite_runs"] = int(np.sum(~np.isfinite(loss)))
+    nonfinite = int(np.sum(~np.isfinite(loss)))
+    if nonfinite:
+        out["nonfinite_runs"] = nonfinite
     return out
 
 
