@@ -19,7 +19,7 @@ import numpy as np
 
 from experiments.paths import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
-from karula_jax import models, protocol, reporting
+from karula_jax import models, protocol, reporting, training
 from karula_jax.data import client_weights, load_leaf
 from karula_jax.stats import format_mean_se, mean_and_se
 
@@ -663,4 +663,5 @@ def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
 
 
 if __name__ == "__main__":
+    training.use_cpu_cores()  # one CPU device per core: the runs split over them
     main()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.paths import DATA_DIR, OUTPUT
-from karula_jax import protocol, reporting
+from karula_jax import protocol, reporting, training
 from karula_jax.data import load_heart_disease
 from karula_jax.data.heart_disease import HOSPITALS
 
@@ -158,4 +158,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    training.use_cpu_cores()  # one CPU device per core: the runs split over them
     main()

@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.paths import OUTPUT
 from karula_jax import evaluation as ev
-from karula_jax import protocol, reporting
+from karula_jax import protocol, reporting, training
 from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.models import ridge_loss
 from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
@@ -485,4 +485,5 @@ def main(argv: Sequence[str] | None = None):
 
 
 if __name__ == "__main__":
+    training.use_cpu_cores()  # one CPU device per core: the runs split over them
     main(sys.argv[1:])

@@ -234,6 +234,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "IFCA below max_clusters: the clusters from k on can be chosen",
     ),
     Mutant(
+        "batch_shard_gathered",
+        "karula_jax/training/batched.py",
+        "            if mesh is None:\n                return members(state, data, kw)",
+        "            if True:\n                return members(state, data, kw)",
+        ("tests/test_sharding.py",),
+        "run_many on a batch mesh: the partitioner gathers the members of a lax.map",
+    ),
+    Mutant(
         "ditto_prox_missing_step",
         "karula_jax/algorithms/ditto.py",
         "1.0 / (1.0 + plr * safe)",

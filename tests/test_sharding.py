@@ -84,6 +84,11 @@ def _compare_sharded_and_unsharded() -> dict:
     out["same_grid_participants"] = bool(
         np.array_equal(grid_sharded.info.participants, grid_plain.info.participants)
     )
+    out |= _karula_members_on_the_mesh(mesh)
+    out |= _protocol_on_every_device()
+    # batch_mesh: the most devices that divide the member axis (None: 1)
+    sizes = {m: training.batch_mesh(m) for m in (1, 6, 7, 8)}
+    out["batch_mesh"] = {m: None if v is None else int(v.devices.size) for m, v in sizes.items()}
     # Axes the mesh does not divide are refused before anything is traced.
     errors = {}
     for name, call in {
@@ -100,6 +105,93 @@ def _compare_sharded_and_unsharded() -> dict:
             errors[name] = str(err)
     out["errors"] = errors
     return out
+
+
+def _karula_members_on_the_mesh(mesh) -> dict:
+    """Karula, 4 members x 2 radii, members split over the mesh (shard="batch"): each
+    device solves its members' projections (a ``lax.map`` on the CPU) under ``shard_map``,
+    so the compiled round has no collective; results equal the unsplit batch."""
+    from karula_jax.algorithms import karula, lipschitz_ridge
+    from karula_jax.data import synthetic_ridge
+    from karula_jax.models import ridge_loss
+    from karula_jax.training import batched
+
+    problem = synthetic_ridge(0, num_clients=8, dim=3, min_samples=5, max_samples=12)
+    data, loss = problem.train, ridge_loss(0.1)
+    theta = np.asarray(problem.theta_true, np.float64)
+    D = jnp.asarray(((theta[:, None] - theta[None]) ** 2).sum(-1), jnp.float32)
+    eta = 3.0 / (8.0 * float(lipschitz_ridge(data, 0.1)))
+
+    def make(t):
+        return karula(loss, D, t=t, learning_rate=eta, clients_per_round=4, batch_size=4)
+
+    kw = dict(
+        keys=jax.random.split(jax.random.key(5), 4),
+        hyper={"t": jnp.array([0.2, 0.5])},
+        num_rounds=3,
+        chunk_size=3,
+        progress=False,
+    )
+    params = jnp.zeros(3)
+    plain = training.run_many(make, params, data, **kw)
+    split = training.run_many(make, params, data, mesh=mesh, **kw)
+    alg = batched._members(
+        make, kw["hyper"], 2, data_per_seed=False, params_per_seed=False, mesh=mesh
+    )
+    state = training.shard_leading_axis(alg.init(params, (data, {}), key=kw["keys"]), mesh)
+    hlo = jax.jit(alg.round).lower(state, (data, {})).compile().as_text()
+    collectives = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+    return {
+        "karula_spec": [str(x) for x in split.state.params.sharding.spec],
+        "karula_diff": _max_diff(split.state.params, plain.state.params),
+        "karula_iterations": int(np.asarray(plain.info.proj_iterations).sum()),
+        "karula_collectives": [c for c in collectives if c in hlo],
+    }
+
+
+def _protocol_on_every_device() -> dict:
+    """The study driver's defaults on 4 devices: cross-validation's 6 members (2 seeds x
+    (2 folds + final fit)) split over 3 devices (``batch_mesh``), and the members'
+    dissimilarities over 4 of 8 data sets; both equal the unsplit computation."""
+    from karula_jax import algorithms as A
+    from karula_jax import evaluation as ev
+    from karula_jax import protocol
+    from karula_jax.data import synthetic_ridge
+    from karula_jax.embedding import dissimilarities
+    from karula_jax.models import ridge_loss
+    from karula_jax.protocol import cv as cv_module
+
+    draw = lambda s: synthetic_ridge(s, num_clients=4, dim=2, min_samples=6, max_samples=9)
+    train = protocol.stack_datasets([draw(s).train for s in range(2)])
+    test = protocol.stack_datasets([draw(s).test for s in range(2)])
+    cv = protocol.cv_datasets(train, test, 2, key=jax.random.split(jax.random.key(1), 2))
+    loss, linear = ridge_loss(0.01), lambda th, x: x @ th
+    method = protocol.Method(
+        lambda lr: A.local(loss, learning_rate=lr, batch_size=9), {"lr": jnp.array([0.1, 0.5])}
+    )
+    meshes = []
+    run_many = cv_module.run_many
+    cv_module.run_many = lambda *a, **k: meshes.append(k.get("mesh")) or run_many(*a, **k)
+    kw = dict(
+        keys=jax.random.split(jax.random.key(2), 2),
+        num_rounds=5,
+        eval_fn=lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)},
+        score=lambda m: m["mse"].mean(-1),
+        progress=False,
+    )
+    split = protocol.cross_validate(method, jnp.zeros(2), cv, **kw)
+    whole = protocol.cross_validate(method, jnp.zeros(2), cv, mesh=None, **kw)
+    cv_module.run_many = run_many
+    data = protocol.stack_datasets([draw(s).train for s in range(8)])
+    keys = jax.random.split(jax.random.key(3), 8)
+    D, _ = protocol.member_dissimilarities(data, keys, num_reference=6)
+    want = jax.jit(jax.vmap(lambda d, k: dissimilarities(d, key=k, num_reference=6)[0]))
+    return {
+        "cv_mesh_sizes": [None if m is None else int(m.devices.size) for m in meshes],
+        "cv_diff": _max_diff(split.grid_metrics["mse"], whole.grid_metrics["mse"]),
+        "cv_same_choice": bool(np.array_equal(split.chosen, whole.chosen)),
+        "D_diff": _max_diff(D, want(data, keys)),
+    }
 
 
 def _max_diff(a, b) -> float:
@@ -134,6 +226,11 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert out["client_spec"] == ["None", "None", "clients"]  # [S, G, n, ...]: n split
     assert out["max_client_diff"] < 1e-5 and out["max_client_metric_diff"] < 1e-4
     assert out["same_grid_participants"]
+    assert out["karula_spec"][0] == "clients" and out["karula_iterations"] > 0
+    assert out["karula_diff"] < 1e-5 and out["karula_collectives"] == []
+    assert out["batch_mesh"] == {"1": None, "6": 3, "7": None, "8": 4}
+    assert out["cv_mesh_sizes"] == [3, None] and out["cv_same_choice"]
+    assert out["cv_diff"] < 1e-5 and out["D_diff"] < 1e-5
     errors = out["errors"]
     assert "cannot shard the batch axis [S] of length 2 over a mesh of 4" in errors["batch"]
     assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["clients"]
@@ -155,6 +252,32 @@ def test_karula_and_fedavg_on_4_devices_equal_one_device(tmp_path):
         np.testing.assert_allclose(out[name], ref[name], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=1e-5)
         np.testing.assert_array_equal(out[f"{name}_participants"], ref[f"{name}_participants"])
+
+
+def test_use_cpu_cores_sets_the_device_count_only_before_the_backend_starts():
+    code = "\n".join(
+        [
+            "import jax, jax.numpy as jnp",
+            "from karula_jax import training",
+            "print(training.use_cpu_cores(3), jax.device_count())",
+            "jnp.ones(1)",
+            "print(training.use_cpu_cores(3))",  # already in effect: fine
+            "try:",
+            "    training.use_cpu_cores(2)",
+            "except RuntimeError as err:",
+            "    print(err)",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[:2] == ["3 3", "3"]
+    assert "use_cpu_cores(2) must run before any JAX operation" in lines[2]
+    assert "started with 3 CPU devices" in lines[2]
 
 
 def test_gather_to_host_in_one_process_is_device_get():

@@ -30,6 +30,7 @@ from karula_jax.protocol.datasets import CVData
 from karula_jax.protocol.methods import Method
 from karula_jax.training import (
     ProjectionNotConvergedWarning,
+    batch_mesh,
     describe_diagnostics,
     run_many,
     vmap_algorithm,
@@ -93,17 +94,21 @@ class CVOutcome(NamedTuple):
         ]
 
 
-def _run_options(num_rounds: int) -> dict[str, Any]:
-    """The defaults :func:`cross_validate` gives :func:`~karula_jax.training.run_many`:
-    ``progress=True`` with ``chunk_size`` a ``PROGRESS_UPDATES``-th of ``num_rounds`` (the
-    bar advances after every chunk; results do not depend on the chunk size),
-    ``eval_every_chunk=False`` (True: curves), ``on_nonfinite="record"`` and
-    ``reuse_compiled=True``."""
+def _run_options(num_rounds: int, num_members: int, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options :func:`cross_validate` gives :func:`~karula_jax.training.run_many`:
+    ``given`` over these defaults: ``progress=True`` with ``chunk_size`` a
+    ``PROGRESS_UPDATES``-th of ``num_rounds`` (the bar advances after every chunk; results
+    do not depend on the chunk size), ``eval_every_chunk=False`` (True: curves),
+    ``on_nonfinite="record"``, ``reuse_compiled=True`` and, unless ``given`` names a mesh
+    or ``shard="clients"``, the ``num_members`` members split over ``batch_mesh``."""
     chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
     options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
     # A registry method's factory reads only its arguments and the rates fixed when it was
     # built: a second cross-validation of it (another D, other data) reuses its programs.
-    return options | dict(progress=True, reuse_compiled=True)
+    options |= dict(progress=True, reuse_compiled=True) | given
+    if "mesh" not in given and options.get("shard", "batch") == "batch":
+        options["mesh"] = batch_mesh(num_members)
+    return options
 
 
 def cross_validate(
@@ -154,7 +159,8 @@ def cross_validate(
         averaged over the folds, ``curves`` is empty and ``params`` None.
       **run_kwargs: further options of :func:`karula_jax.training.run_many`; defaults
         here: :func:`_run_options` (``reuse_compiled=True``: ``method.make`` and
-        ``eval_fn`` must be pure, as the registry's factories are).
+        ``eval_fn`` must be pure, as the registry's factories are) and the member axis
+        split over the devices, ``mesh=batch_mesh(members)`` (one device: unsplit).
 
     Returns:
       A :class:`CVOutcome`.
@@ -166,7 +172,7 @@ def cross_validate(
     final_params = final_params and final_fits
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
     per_member = lambda tree: jax.tree.map(lambda a: a[members // (K + 1)], tree)
-    options = _run_options(num_rounds) | run_kwargs
+    options = _run_options(num_rounds, len(members), run_kwargs)
     batch_kwargs = take(member_kwargs) if member_kwargs else None
     grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
     t0, parts, curves, finals, reports, unconverged = time.perf_counter(), [], [], [], [], []

@@ -16,11 +16,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
+from karula_jax.training import batch_mesh
 
 __all__ = [
     "CVData",
@@ -146,11 +148,20 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
       **options: keywords of :func:`karula_jax.embedding.dissimilarities`.
 
     Returns:
-      ``(D [B, n, n], info)``, ``info`` with a leading member axis.
+      ``(D [B, n, n], info)``, ``info`` with a leading member axis. With several devices
+      the members are split over :func:`~karula_jax.training.batch_mesh` (each device
+      embeds its own; the same values).
     """
-    if jnp.ndim(key) == 0:
-        return jax.jit(jax.vmap(lambda d: dissimilarities(d, key=key, **options)))(train)
-    return jax.jit(jax.vmap(lambda d, k: dissimilarities(d, key=k, **options)))(train, key)
+    num_members = int(jax.tree.leaves(train)[0].shape[0])
+    keys = key if jnp.ndim(key) else jnp.broadcast_to(key, (num_members,))
+    members = jax.vmap(lambda d, k: dissimilarities(d, key=k, **options))
+    mesh = batch_mesh(num_members)
+    if mesh is not None:
+        split = PartitionSpec(mesh.axis_names[0])
+        members = jax.shard_map(
+            members, mesh=mesh, in_specs=split, out_specs=split, check_vma=False
+        )
+    return jax.jit(members)(train, keys)
 
 
 def cluster_labels(D: Any, choices: Sequence[int]) -> np.ndarray:

@@ -10,7 +10,8 @@
 * :mod:`~karula_jax.training.checkpoint`: ``.npz`` checkpoints (no pickle, atomic) and
   the fingerprints that make a resume refuse another run.
 * :mod:`~karula_jax.training.sharding`: the client or batch axis on a device mesh
-  (one process or several: :func:`gather_to_host`).
+  (one process or several: :func:`gather_to_host`); :func:`batch_mesh` and
+  :func:`use_cpu_cores` split a batch over every core of a CPU.
 * :mod:`~karula_jax.training.progress`: tqdm bars (:func:`progress_bar`).
 * :mod:`~karula_jax.training.diagnostics`: what a run reports about itself: projection
   diagnostics (:func:`round_diagnostics`, :class:`ProjectionNotConvergedWarning`),
@@ -31,13 +32,20 @@ from karula_jax.training.diagnostics import (
 )
 from karula_jax.training.loop import RunResult, run, scan_rounds
 from karula_jax.training.progress import progress_bar
-from karula_jax.training.sharding import client_mesh, gather_to_host, shard_leading_axis
+from karula_jax.training.sharding import (
+    batch_mesh,
+    client_mesh,
+    gather_to_host,
+    shard_leading_axis,
+    use_cpu_cores,
+)
 
 __all__ = [
     "CHECKPOINT_NAME",
     "ProjectionNotConvergedWarning",
     "RunResult",
     "algorithm_name",
+    "batch_mesh",
     "client_mesh",
     "describe_diagnostics",
     "gather_to_host",
@@ -50,5 +58,6 @@ __all__ = [
     "save_checkpoint",
     "scan_rounds",
     "shard_leading_axis",
+    "use_cpu_cores",
     "vmap_algorithm",
 ]

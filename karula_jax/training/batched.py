@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from karula_jax._checks import DeferredChecks, defer, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState
@@ -260,8 +260,15 @@ def _members(
     *,
     data_per_seed: bool,
     params_per_seed: bool,
+    mesh: Mesh | None = None,
 ) -> Algorithm:
-    """The batch as an Algorithm whose data argument is ``(data, batch_kwargs)``."""
+    """The batch as an Algorithm whose data argument is ``(data, batch_kwargs)``.
+
+    With ``mesh`` (the batch axis split over its devices) ``round`` and ``client_params``
+    run under ``shard_map``: each device vmaps its own members, so what batches member by
+    member on the CPU (the projection's ``lax.map``) stays on the device that holds the
+    members instead of being gathered by the partitioner; ``init`` is left to it.
+    """
     d_axis = 0 if data_per_seed else None
     p_axis = 0 if params_per_seed else None
 
@@ -281,7 +288,17 @@ def _members(
 
         def apply(state, data_kw):
             data, kw = data_kw
-            return jax.vmap(per_member, in_axes=(0, d_axis, 0))(state, data, kw)
+            members = jax.vmap(per_member, in_axes=(0, d_axis, 0))
+            if mesh is None:
+                return members(state, data, kw)
+            split, whole = PartitionSpec(mesh.axis_names[0]), PartitionSpec()
+            return jax.shard_map(
+                members,
+                mesh=mesh,
+                in_specs=(split, split if data_per_seed else whole, split),
+                out_specs=split,
+                check_vma=False,
+            )(state, data, kw)
 
         return apply
 
@@ -486,9 +503,18 @@ def _fingerprints(data, batch_kwargs) -> dict[str, Any]:
 
 
 def _batched_algorithm(
-    make_algorithm, hyper, batch_kwargs, num_members, *, reuse, data_per_seed, params_per_seed
+    make_algorithm,
+    hyper,
+    batch_kwargs,
+    num_members,
+    *,
+    reuse,
+    data_per_seed,
+    params_per_seed,
+    member_mesh=None,
 ):
-    """The batch as one algorithm, after the factory's checks on every member and grid point.
+    """The batch as one algorithm, after the factory's checks on every member and grid point
+    (``member_mesh``: the mesh the member axis is split over, or None; see :func:`_members`).
 
     Returns:
       ``(algorithm, name, batch_kwargs, grid)``: the vmapped :class:`Algorithm`, the
@@ -499,12 +525,13 @@ def _batched_algorithm(
     name = _factory_checks(make_algorithm, hyper_arrays, grid, kw)
     per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
     if not (reuse and _hashable(make_algorithm)):
-        return _members(make_algorithm, hyper_arrays, grid, **per_seed), name, kw, grid
+        members = _members(make_algorithm, hyper_arrays, grid, **per_seed, mesh=member_mesh)
+        return members, name, kw, grid
     values = tuple(
         (k, np.dtype(v.dtype).str, np.shape(v), np.asarray(v).tobytes())
         for k, v in hyper_arrays.items()
     )
-    kept = _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values)
+    kept = _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values, member_mesh)
     return kept, name, kw, grid
 
 
@@ -514,11 +541,11 @@ def _batched_algorithm(
 # method, e.g. on other data or another member argument such as a dissimilarity matrix
 # (both arguments of the program, not constants), reuse the compiled programs.
 @functools.lru_cache(maxsize=32)
-def _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values) -> Algorithm:
+def _kept_members(make_algorithm, grid, data_per_seed, params_per_seed, values, mesh) -> Algorithm:
     """:func:`_members` of the grid ``values`` (``(name, dtype, shape, bytes)`` per name)."""
     hyper = {k: jnp.asarray(np.frombuffer(b, dt).reshape(shape)) for k, dt, shape, b in values}
     flags = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
-    return _members(make_algorithm, hyper, grid, **flags)
+    return _members(make_algorithm, hyper, grid, **flags, mesh=mesh)
 
 
 def _hashable(x) -> bool:
@@ -590,9 +617,9 @@ def run_many(
         metric arrays come back as ``[num_evals, S, G, ...]``.
       eval_data: per-run evaluation data (default ``data``).
       eval_data_per_seed: ``eval_data`` has a member axis (None ``eval_data``: as ``data``).
-      mesh: a 1-D device mesh (:func:`client_mesh`) to spread the batch over.
-      shard: with ``mesh``, the axis split over its devices (a multiple of the mesh
-        size): ``"batch"`` the member axis ``[S]`` (independent runs, no communication)
+      mesh: a 1-D device mesh (:func:`client_mesh`, :func:`batch_mesh`) to spread over.
+      shard: with ``mesh``, the axis split over its devices (a multiple of their number):
+        ``"batch"`` the members ``[S]`` (each device vmaps its own under ``shard_map``)
         or ``"clients"`` every run's client axis (cross-client steps communicate).
       desc: a label in front of the progress bar's batch size (``"Karula: 6x5 runs"``).
       reuse_compiled: reuse the programs of an earlier call with the same
@@ -617,19 +644,14 @@ def run_many(
     keys, num_members = _check_keys(keys)
     _check_members("data_per_seed", data, num_members, asked=data_per_seed)
     _check_members("params_per_seed", params, num_members, asked=params_per_seed)
-    per_seed = {"data_per_seed": data_per_seed, "params_per_seed": params_per_seed}
+    layout = dict(data_per_seed=data_per_seed, params_per_seed=params_per_seed)
+    layout["member_mesh"] = mesh if shard == "batch" else None
     algorithm, name, kw, grid = _batched_algorithm(
-        make_algorithm, hyper, batch_kwargs, num_members, reuse=reuse_compiled, **per_seed
+        make_algorithm, hyper, batch_kwargs, num_members, reuse=reuse_compiled, **layout
     )
+    given_eval = (eval_fn, eval_data, eval_data_per_seed)
     batched_eval, eval_data, eval_per_seed = _evaluation(
-        eval_fn,
-        eval_data,
-        eval_data_per_seed,
-        data,
-        data_per_seed,
-        num_members,
-        grid,
-        reuse_compiled,
+        *given_eval, data, data_per_seed, num_members, grid, reuse_compiled
     )
     where = dict(num_members=num_members, grid=grid, data=data, data_per_seed=data_per_seed)
     placement = _placement(mesh, shard, **where, eval_data_per_seed=eval_per_seed)

@@ -21,6 +21,7 @@ example (two CPU processes on the loopback address).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["client_mesh", "gather_to_host", "shard_leading_axis"]
+__all__ = ["batch_mesh", "client_mesh", "gather_to_host", "shard_leading_axis", "use_cpu_cores"]
 
 
 def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
@@ -46,6 +47,65 @@ def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
     if not devices:
         raise ValueError("devices must be a non-empty sequence of jax devices")
     return Mesh(np.array(devices), (axis_name,))
+
+
+def batch_mesh(num_members: int, devices=None) -> Mesh | None:
+    """The mesh for ``run_many(..., mesh=..., shard="batch")`` of ``num_members`` runs.
+
+    The first ``d`` of ``devices`` (all of ``jax.devices()`` by default), ``d`` the largest
+    device count that divides ``num_members``; None where that is 1 (one device, or a prime
+    number of members larger than the device count): the batch then runs unsplit.
+
+    Args:
+      num_members: length of the member axis ``[S]`` (>= 1).
+      devices: the devices to choose from.
+
+    Returns:
+      A 1-D :class:`jax.sharding.Mesh` (:func:`client_mesh`), or None.
+    """
+    if isinstance(num_members, bool) or not isinstance(num_members, int | np.integer):
+        raise TypeError(f"num_members must be an int, got {type(num_members).__name__}")
+    if num_members < 1:
+        raise ValueError(f"num_members must be >= 1, got {num_members}")
+    devices = list(jax.devices() if devices is None else devices)
+    d = max(k for k in range(1, len(devices) + 1) if num_members % k == 0)
+    return client_mesh(devices[:d]) if d > 1 else None
+
+
+def use_cpu_cores(count: int | None = None) -> int:
+    """Gives the CPU backend one device per core, so that a batch split over the devices
+    (:func:`batch_mesh`) runs on every core.
+
+    XLA runs the many small operations of a federated round (the projection's loops, a
+    round's per-client steps) one after another on one thread; with one CPU device per
+    core, the members of a batch split over the devices run side by side. Call it right
+    after ``import jax``, before any JAX operation (the experiments' entry points do);
+    a no-op where the count is already in effect. Results do not depend on it.
+
+    Args:
+      count: devices to create; default the cores this process may run on.
+
+    Returns:
+      The number of CPU devices asked for.
+
+    Raises:
+      RuntimeError: the backend already started with another number of CPU devices.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    count = max(1, int(cores or 1)) if count is None else int(count)
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if jax.config.jax_num_cpu_devices == count:
+        return count
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"use_cpu_cores({count}) must run before any JAX operation (the backend has "
+            f"started with {len(jax.devices('cpu'))} CPU devices): call it right after "
+            "`import jax`"
+        ) from err
+    return count
 
 
 def gather_to_host(tree: Any) -> Any:
