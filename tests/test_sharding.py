@@ -278,6 +278,13 @@ def test_use_cpu_cores_sets_the_device_count_only_before_the_backend_starts():
     assert lines[:2] == ["3 3", "3"]
     assert "use_cpu_cores(2) must run before any JAX operation" in lines[2]
     assert "started with 3 CPU devices" in lines[2]
+    # the environment variable overrides the core count (1: the batch unsplit)
+    env["JAX_NUM_CPU_DEVICES"] = "1"
+    code = "import jax, karula_jax.training as t; t.use_cpu_cores(); print(jax.device_count())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["1"], proc.stderr[-3000:]
 
 
 def test_gather_to_host_in_one_process_is_device_get():

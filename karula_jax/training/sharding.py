@@ -83,7 +83,9 @@ def use_cpu_cores(count: int | None = None) -> int:
     a no-op where the count is already in effect. Results do not depend on it.
 
     Args:
-      count: devices to create; default the cores this process may run on.
+      count: devices to create; default the cores this process may run on, or the
+        environment variable ``JAX_NUM_CPU_DEVICES`` where it is set (``1``: one device,
+        the batch unsplit).
 
     Returns:
       The number of CPU devices asked for.
@@ -92,7 +94,9 @@ def use_cpu_cores(count: int | None = None) -> int:
       RuntimeError: the backend already started with another number of CPU devices.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    count = max(1, int(cores or 1)) if count is None else int(count)
+    if count is None:
+        count = int(os.environ.get("JAX_NUM_CPU_DEVICES") or max(1, int(cores or 1)))
+    count = int(count)
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     if jax.config.jax_num_cpu_devices == count:
