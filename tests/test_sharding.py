@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -140,12 +141,18 @@ def _karula_members_on_the_mesh(mesh) -> dict:
     )
     state = training.shard_leading_axis(alg.init(params, (data, {}), key=kw["keys"]), mesh)
     hlo = jax.jit(alg.round).lower(state, (data, {})).compile().as_text()
+    # a checkpoint of the split batch resumes on one device (its fingerprint has no mesh)
+    with tempfile.TemporaryDirectory() as tmp:
+        part = dict(kw, num_rounds=2, checkpoint_dir=tmp)
+        training.run_many(make, params, data, mesh=mesh, **part)
+        resumed = training.run_many(make, params, data, **dict(part, num_rounds=3), resume=True)
     collectives = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
     return {
         "karula_spec": [str(x) for x in split.state.params.sharding.spec],
         "karula_diff": _max_diff(split.state.params, plain.state.params),
         "karula_iterations": int(np.asarray(plain.info.proj_iterations).sum()),
         "karula_collectives": [c for c in collectives if c in hlo],
+        "karula_resumed_diff": _max_diff(resumed.state.params, plain.state.params),
     }
 
 
@@ -171,7 +178,6 @@ def _protocol_on_every_device() -> dict:
     )
     meshes = []
     run_many = cv_module.run_many
-    cv_module.run_many = lambda *a, **k: meshes.append(k.get("mesh")) or run_many(*a, **k)
     kw = dict(
         keys=jax.random.split(jax.random.key(2), 2),
         num_rounds=5,
@@ -179,9 +185,12 @@ def _protocol_on_every_device() -> dict:
         score=lambda m: m["mse"].mean(-1),
         progress=False,
     )
-    split = protocol.cross_validate(method, jnp.zeros(2), cv, **kw)
-    whole = protocol.cross_validate(method, jnp.zeros(2), cv, mesh=None, **kw)
-    cv_module.run_many = run_many
+    cv_module.run_many = lambda *a, **k: meshes.append(k.get("mesh")) or run_many(*a, **k)
+    try:
+        split = protocol.cross_validate(method, jnp.zeros(2), cv, **kw)
+        whole = protocol.cross_validate(method, jnp.zeros(2), cv, mesh=None, **kw)
+    finally:
+        cv_module.run_many = run_many
     data = protocol.stack_datasets([draw(s).train for s in range(8)])
     keys = jax.random.split(jax.random.key(3), 8)
     D, _ = protocol.member_dissimilarities(data, keys, num_reference=6)
@@ -228,6 +237,7 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert out["same_grid_participants"]
     assert out["karula_spec"][0] == "clients" and out["karula_iterations"] > 0
     assert out["karula_diff"] < 1e-5 and out["karula_collectives"] == []
+    assert out["karula_resumed_diff"] < 1e-5
     assert out["batch_mesh"] == {"1": None, "6": 3, "7": None, "8": 4}
     assert out["cv_mesh_sizes"] == [3, None] and out["cv_same_choice"]
     assert out["cv_diff"] < 1e-5 and out["D_diff"] < 1e-5

@@ -149,13 +149,13 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
 
     Returns:
       ``(D [B, n, n], info)``, ``info`` with a leading member axis. With several devices
-      the members are split over :func:`~karula_jax.training.batch_mesh` (each device
-      embeds its own; the same values).
+      in one process the members are split over :func:`~karula_jax.training.batch_mesh`
+      (each device embeds its own; the same values).
     """
     num_members = int(jax.tree.leaves(train)[0].shape[0])
     keys = key if jnp.ndim(key) else jnp.broadcast_to(key, (num_members,))
     members = jax.vmap(lambda d, k: dissimilarities(d, key=k, **options))
-    mesh = batch_mesh(num_members)
+    mesh = batch_mesh(num_members) if jax.process_count() == 1 else None
     if mesh is not None:
         split = PartitionSpec(mesh.axis_names[0])
         members = jax.shard_map(

@@ -288,19 +288,25 @@ def _members(
 
         def apply(state, data_kw):
             data, kw = data_kw
-            members = jax.vmap(per_member, in_axes=(0, d_axis, 0))
-            if mesh is None:
-                return members(state, data, kw)
-            split, whole = PartitionSpec(mesh.axis_names[0]), PartitionSpec()
+            return jax.vmap(per_member, in_axes=(0, d_axis, 0))(state, data, kw)
+
+        if mesh is None:
+            return apply
+        split, whole = PartitionSpec(mesh.axis_names[0]), PartitionSpec()
+
+        def on_mesh(state, data_kw):
             return jax.shard_map(
-                members,
+                lambda st, d, kw: apply(st, (d, kw)),
                 mesh=mesh,
                 in_specs=(split, split if data_per_seed else whole, split),
                 out_specs=split,
                 check_vma=False,
-            )(state, data, kw)
+            )(state, *data_kw)
 
-        return apply
+        # What a checkpoint fingerprints (training.loop): the program without its mesh,
+        # so that a run resumes on any number of devices.
+        on_mesh.unsplit = apply
+        return on_mesh
 
     def init(params, data_kw, *, key):
         # Value checks that a member's init defers (its traced data, e.g. a classifier's

@@ -135,9 +135,12 @@ def algorithm_fingerprint(init: Callable, round_: Callable, template, params, da
     constants) or other static settings change it. ``init`` and ``round_`` are the jitted
     functions the driver runs (so their trace caches are shared and nothing is traced
     twice); ``template`` is the state's ``jax.eval_shape``, so a fresh and a resumed run
-    trace the same abstract values.
+    trace the same abstract values. Every input is traced as its shape and dtype alone,
+    so where the arrays are placed (one device, a mesh) does not change it.
     """
     h = hashlib.sha256()
+    bare = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+    params, data, key, template = bare((params, data, key, template))
     programs = (
         jax.make_jaxpr(lambda p, d, k: init(p, d, key=k))(params, data, key),
         jax.make_jaxpr(round_)(template, data),

@@ -164,6 +164,14 @@ def _jitted_round(algorithm: Algorithm):
 
 
 @functools.lru_cache(maxsize=32)
+def _fingerprinted_round(algorithm: Algorithm):
+    """The jitted round whose program identifies a run in its checkpoints: a round split
+    over devices (``run_many``'s batch on a mesh) is fingerprinted ``unsplit``."""
+    unsplit = getattr(algorithm.round, "unsplit", None)
+    return _jitted_round(algorithm) if unsplit is None else jax.jit(unsplit)
+
+
+@functools.lru_cache(maxsize=32)
 def _jitted_chunk(algorithm: Algorithm, chunk_size: int):
     return jax.jit(_masked_chunk(algorithm, chunk_size), donate_argnums=0)
 
@@ -439,7 +447,7 @@ def _open_checkpoint(
         "algorithm_name": name,
         "key": ckpt.key_fingerprint(key),
         "algorithm": ckpt.algorithm_fingerprint(
-            init, _jitted_round(algorithm), template, params, data, key
+            init, _fingerprinted_round(algorithm), template, params, data, key
         ),
         "data": extra.pop("data") if "data" in extra else ckpt.content_hash(data),
         "params": ckpt.content_hash(params),

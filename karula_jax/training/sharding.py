@@ -22,6 +22,7 @@ example (two CPU processes on the loopback address).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,8 +54,9 @@ def batch_mesh(num_members: int, devices=None) -> Mesh | None:
     """The mesh for ``run_many(..., mesh=..., shard="batch")`` of ``num_members`` runs.
 
     The first ``d`` of ``devices`` (all of ``jax.devices()`` by default), ``d`` the largest
-    device count that divides ``num_members``; None where that is 1 (one device, or a prime
-    number of members larger than the device count): the batch then runs unsplit.
+    device count that divides ``num_members``; None where that is 1 (one device, or no
+    count from 2 to the number of devices divides ``num_members``): the batch then runs
+    unsplit.
 
     Args:
       num_members: length of the member axis ``[S]`` (>= 1).
@@ -80,7 +82,9 @@ def use_cpu_cores(count: int | None = None) -> int:
     round's per-client steps) one after another on one thread; with one CPU device per
     core, the members of a batch split over the devices run side by side. Call it right
     after ``import jax``, before any JAX operation (the experiments' entry points do);
-    a no-op where the count is already in effect. Results do not depend on it.
+    a no-op where the backend already has that many CPU devices, and without ``count``
+    where ``XLA_FLAGS`` sets ``--xla_force_host_platform_device_count`` (that count
+    stays). Results do not depend on it.
 
     Args:
       count: devices to create; default the cores this process may run on, or the
@@ -94,6 +98,11 @@ def use_cpu_cores(count: int | None = None) -> int:
       RuntimeError: the backend already started with another number of CPU devices.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    forced = re.search(
+        r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    if count is None and forced:
+        return int(forced.group(1))
     if count is None:
         count = int(os.environ.get("JAX_NUM_CPU_DEVICES") or max(1, int(cores or 1)))
     count = int(count)
@@ -104,6 +113,8 @@ def use_cpu_cores(count: int | None = None) -> int:
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as err:
+        if len(jax.devices("cpu")) == count:
+            return count
         raise RuntimeError(
             f"use_cpu_cores({count}) must run before any JAX operation (the backend has "
             f"started with {len(jax.devices('cpu'))} CPU devices): call it right after "
