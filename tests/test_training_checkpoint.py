@@ -164,6 +164,15 @@ def test_resume_refuses_another_run_and_names_what_differs(tmp_path):
     assert res.info.loss.shape == (4,)
 
 
+def test_a_python_scalar_in_the_initial_model_is_fingerprinted(tmp_path):
+    """The fingerprint traces shapes and dtypes: a Python float leaf has no ``.dtype``."""
+    params = {"a": jnp.zeros(3), "b": 0.0}
+    kw = dict(key=jax.random.PRNGKey(0), chunk_size=2, checkpoint_dir=tmp_path, progress=False)
+    training.run(ALG, params, DATA, num_rounds=2, **kw)
+    res = training.run(ALG, params, DATA, num_rounds=4, resume=True, **kw)
+    assert res.info.loss.shape == (4,)
+
+
 # --------------------------------------------------------------------------- bad checkpoint files
 
 

@@ -139,7 +139,8 @@ def algorithm_fingerprint(init: Callable, round_: Callable, template, params, da
     so where the arrays are placed (one device, a mesh) does not change it.
     """
     h = hashlib.sha256()
-    bare = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+    dtype = lambda x: x.dtype if hasattr(x, "dtype") else jnp.result_type(x)  # Python scalars
+    bare = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), dtype(x)), tree)
     params, data, key, template = bare((params, data, key, template))
     programs = (
         jax.make_jaxpr(lambda p, d, k: init(p, d, key=k))(params, data, key),
