@@ -16,6 +16,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from karula_jax import training
 
@@ -312,6 +313,17 @@ def test_shard_leading_axis_replicates_what_does_not_divide():
     assert tuple(placed["x"].sharding.spec) == ("clients",)
     assert tuple(placed["s"].sharding.spec) == ()
     np.testing.assert_array_equal(placed["x"], tree["x"])
+
+
+def test_split_members_splits_the_member_axis_and_shares_the_rest():
+    fn = jax.vmap(lambda x, c: x * c["scale"], in_axes=(0, None))
+    x, shared = jnp.arange(6.0).reshape(3, 2), {"scale": jnp.float32(2.0)}
+    assert training.split_members(fn, None, (0, None)) is fn
+    mesh = training.client_mesh(jax.devices()[:1])
+    split = training.split_members(fn, mesh, (0, None))
+    np.testing.assert_array_equal(jax.jit(split)(x, shared), 2.0 * x)
+    with pytest.raises(ValueError, match="in_axes entries must be 0 or None"):
+        training.split_members(fn, mesh, (1, None))
 
 
 if __name__ == "__main__":

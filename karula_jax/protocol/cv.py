@@ -30,7 +30,7 @@ from karula_jax.protocol.datasets import CVData
 from karula_jax.protocol.methods import Method
 from karula_jax.training import (
     ProjectionNotConvergedWarning,
-    batch_mesh,
+    default_batch_mesh,
     describe_diagnostics,
     run_many,
     vmap_algorithm,
@@ -108,8 +108,7 @@ def _run_options(num_rounds: int, num_members: int, given: Mapping[str, Any]) ->
     # built: a second cross-validation of it (another D, other data) reuses its programs.
     options |= dict(progress=True, reuse_compiled=True) | given
     if "mesh" not in given and options.get("shard", "batch") == "batch":
-        # one process: its devices; several processes run what the caller places
-        options["mesh"] = batch_mesh(num_members) if jax.process_count() == 1 else None
+        options["mesh"] = default_batch_mesh(num_members)
     return options
 
 

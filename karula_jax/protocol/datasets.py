@@ -16,13 +16,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
-from karula_jax.training import batch_mesh
+from karula_jax.training import default_batch_mesh, split_members
 
 __all__ = [
     "CVData",
@@ -155,12 +154,7 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
     num_members = int(jax.tree.leaves(train)[0].shape[0])
     keys = key if jnp.ndim(key) else jnp.broadcast_to(key, (num_members,))
     members = jax.vmap(lambda d, k: dissimilarities(d, key=k, **options))
-    mesh = batch_mesh(num_members) if jax.process_count() == 1 else None
-    if mesh is not None:
-        split = PartitionSpec(mesh.axis_names[0])
-        members = jax.shard_map(
-            members, mesh=mesh, in_specs=split, out_specs=split, check_vma=False
-        )
+    members = split_members(members, default_batch_mesh(num_members), (0, 0))
     return jax.jit(members)(train, keys)
 
 

@@ -35,8 +35,10 @@ from karula_jax.training.progress import progress_bar
 from karula_jax.training.sharding import (
     batch_mesh,
     client_mesh,
+    default_batch_mesh,
     gather_to_host,
     shard_leading_axis,
+    split_members,
     use_cpu_cores,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "algorithm_name",
     "batch_mesh",
     "client_mesh",
+    "default_batch_mesh",
     "describe_diagnostics",
     "gather_to_host",
     "load_checkpoint",
@@ -58,6 +61,7 @@ __all__ = [
     "save_checkpoint",
     "scan_rounds",
     "shard_leading_axis",
+    "split_members",
     "use_cpu_cores",
     "vmap_algorithm",
 ]

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from karula_jax._checks import DeferredChecks, defer, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState
@@ -46,6 +46,7 @@ from karula_jax.training.sharding import (
     check_divisible,
     leading_size,
     split_axis,
+    split_members,
 )
 
 __all__ = ["product_grid", "run_many", "vmap_algorithm"]
@@ -292,16 +293,10 @@ def _members(
 
         if mesh is None:
             return apply
-        split, whole = PartitionSpec(mesh.axis_names[0]), PartitionSpec()
+        split = split_members(lambda st, d, kw: apply(st, (d, kw)), mesh, (0, d_axis, 0))
 
         def on_mesh(state, data_kw):
-            return jax.shard_map(
-                lambda st, d, kw: apply(st, (d, kw)),
-                mesh=mesh,
-                in_specs=(split, split if data_per_seed else whole, split),
-                out_specs=split,
-                check_vma=False,
-            )(state, *data_kw)
+            return split(state, *data_kw)
 
         # What a checkpoint fingerprints (training.loop): the program without its mesh,
         # so that a run resumes on any number of devices.

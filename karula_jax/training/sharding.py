@@ -31,7 +31,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["batch_mesh", "client_mesh", "gather_to_host", "shard_leading_axis", "use_cpu_cores"]
+__all__ = [
+    "batch_mesh",
+    "client_mesh",
+    "default_batch_mesh",
+    "gather_to_host",
+    "shard_leading_axis",
+    "split_members",
+    "use_cpu_cores",
+]
 
 
 def client_mesh(devices=None, *, axis_name: str = "clients") -> Mesh:
@@ -72,6 +80,38 @@ def batch_mesh(num_members: int, devices=None) -> Mesh | None:
     devices = list(jax.devices() if devices is None else devices)
     d = max(k for k in range(1, len(devices) + 1) if num_members % k == 0)
     return client_mesh(devices[:d]) if d > 1 else None
+
+
+def default_batch_mesh(num_members: int) -> Mesh | None:
+    """The mesh the protocol splits ``num_members`` members over when not told: in a
+    single-process job :func:`batch_mesh` of the local devices, with several processes
+    None (a multi-host job places its batch itself)."""
+    return batch_mesh(num_members) if jax.process_count() == 1 else None
+
+
+def split_members(fn: Callable, mesh: Mesh | None, in_axes: tuple[int | None, ...]) -> Callable:
+    """``fn``, a function vmapped over a leading member axis, with its members split over
+    ``mesh``: under ``jax.shard_map`` each device applies ``fn`` to its own members, so
+    what ``fn`` runs member by member (the projection's ``lax.map`` on the CPU) stays on
+    the device that holds them. No collective: members are independent.
+
+    Args:
+      fn: positional arguments only; every output has the member axis first.
+      mesh: a 1-D mesh whose size divides the member count (:func:`batch_mesh`); None
+        returns ``fn`` itself.
+      in_axes: one entry per positional argument (a pytree): ``0`` split along its
+        leading member axis, ``None`` the same on every device.
+
+    Returns:
+      A function of the same arguments and outputs.
+    """
+    if any(a not in (0, None) for a in in_axes):
+        raise ValueError(f"in_axes entries must be 0 or None, got {in_axes!r}")
+    if mesh is None:
+        return fn
+    split, whole = PartitionSpec(mesh.axis_names[0]), PartitionSpec()
+    specs = tuple(split if a == 0 else whole for a in in_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)
 
 
 def use_cpu_cores(count: int | None = None) -> int:
