@@ -71,10 +71,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         """(feasible theta, certified gap) at an evaluation. The shrink of theta(lam)
         pays for the worst violated pair on every pair; where the Lagrangian part of the
         gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``, violated pairs
-        are first pulled together (``_SWEEPS`` sweeps), which at n = 100 halves the
-        iterations a warm-started projection needs. Only where the models span few
-        dimensions (``_low_rank``): a sweep costs ``O(n^2 k)``, and with ``k`` near ``n``
-        the sweeps cost more than the iterations they save (``results/bench/README.md``)."""
+        are first pulled together (``_SWEEPS`` sweeps; at n = 100 half the iterations of a
+        warm start). Only where the models span few dimensions (``_low_rank``): a sweep
+        costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README)."""
         if not low_rank:
             return restore_and_certify(ev.th, ev.g, red, gram=gram)
         lagrangian_gap = primal_value(ev.th, red) - ev.g
@@ -113,12 +112,14 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         out = jax.lax.while_loop(cond, body, init)
         return out[1], out[2], out[3]
 
-    def ascend(lam, ev, it, stopped, evaluate, exact_distances):
+    def ascend(lam, ev, it, stopped, evaluate, exact_distances, start=None):
         """Newton iterations from ``lam`` (``ev`` its evaluation) until the certificate
         meets ``tol``, ``it`` reaches ``max_iter`` or a line search fails; returns
         ``(lam, ev, it, (feasible theta, certified gap))``, the certificates measuring
         distances exactly with ``exact_distances`` (else through the Gram matrix above
-        ``_GRAM_ABOVE`` clients)."""
+        ``_GRAM_ABOVE`` clients). ``start``: the repaired theta of a certificate at the
+        same ``lam`` (phase 0's last): the first certificate only restores it (exactly)."""
+        by_gram = gram and not exact_distances
 
         def cond(c):
             return (~c[4]) & (c[3] < max_iter)
@@ -133,31 +134,30 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             new, ev_new, ok = line_search(lam, ev, s, s_diag, running, evaluate)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
-            th, delta = certify(ev, gram and not exact_distances)
+            th, delta = certify(ev, by_gram)
             # A failed line search means float precision is exhausted: stop there.
             return lam, ev, (th, delta), it + 1, should_stop(delta, red, tol) | ~ok, ok
 
-        cert = certify(ev, gram and not exact_distances)
+        cert = certify(ev, by_gram) if start is None else restore_and_certify(start, ev.g, red)
         stop = should_stop(cert[1], red, tol) | stopped
         init = (lam, ev, cert, it, stop, jnp.array(True))
         lam, ev, cert, it, _, _ = jax.lax.while_loop(cond, body, init)
         return lam, ev, it, cert
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
-    # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients), the
-    # first of them phase 0's last evaluation recertified (``certified``, no new inverse)
-    # and the final certificate; it iterates only where that misses ``tol`` after phase
-    # 0's values met it (rare, float32 near ``tol``), so under vmap it usually takes no
-    # trip; its certificates measure distances exactly, so its last one is the answer.
-    # The phases are written out (the Newton iteration compiles twice): a loop over them
-    # put a ``lax.cond`` around every evaluation, costly on the CPU (bench README).
+    # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients), from
+    # phase 0's last evaluation recertified (no new inverse, its repaired theta reused); it
+    # iterates only where that misses ``tol`` (rare, float32 near ``tol``), so under vmap it
+    # usually takes no trip, and its last certificate (exact distances) is the answer.
+    # Two loops written out, not a loop over phases: that put a ``lax.cond`` around every
+    # evaluation, costly on the CPU (bench README).
     fast = functools.partial(dual_eval, red=red, gram=True)
     exact = functools.partial(dual_eval, red=red, gram=gram, certify=True)
 
     ev = fast(lam0)
-    lam, ev, it, _ = ascend(lam0, ev, jnp.int32(0), skip, fast, False)
+    lam, ev, it, (th0, _) = ascend(lam0, ev, jnp.int32(0), skip, fast, False)
     ev = certified(lam, ev, red, exact=not gram)
-    lam, ev, it, cert = ascend(lam, ev, it, skip, exact, True)
+    lam, ev, it, cert = ascend(lam, ev, it, skip, exact, True, start=th0)
     th, delta = cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
