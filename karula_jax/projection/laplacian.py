@@ -220,9 +220,10 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     mu = eps * jnp.max(hdiag) + jnp.finfo(red.w.dtype).tiny
     pre = hdiag + mu
     diag_step = ev.grad / pre
-    active = mask & (lam <= 0) & (ev.grad < 0)
+    at_zero = mask & (lam <= 0)
+    active = at_zero & (ev.grad < 0)
     rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
-    waiting = mask & (lam <= 0) & (ev.grad > 0)
+    waiting = at_zero & (ev.grad > 0)
     cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
     active = active | (waiting & (rel < cut))
 

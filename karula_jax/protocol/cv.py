@@ -100,8 +100,8 @@ def _run_options(num_rounds: int, num_members: int, given: Mapping[str, Any]) ->
     ``PROGRESS_UPDATES``-th of ``num_rounds`` (the bar advances after every chunk; results
     do not depend on the chunk size), ``eval_every_chunk=False`` (True: curves),
     ``on_nonfinite="record"``, ``reuse_compiled=True`` and, unless ``given`` names a mesh
-    or ``shard="clients"``, the ``num_members`` members split over ``batch_mesh`` (in a
-    single-process job)."""
+    or ``shard="clients"``, the ``num_members`` members split over
+    ``default_batch_mesh`` (in a single-process job)."""
     chunk = max(1, -(-num_rounds // PROGRESS_UPDATES))
     options = dict(eval_every_chunk=False, chunk_size=chunk, on_nonfinite="record")
     # A registry method's factory reads only its arguments and the rates fixed when it was

@@ -287,13 +287,14 @@ def _members(
                 is_round=is_round,
             )
 
+        members = jax.vmap(per_member, in_axes=(0, d_axis, 0))
+
         def apply(state, data_kw):
-            data, kw = data_kw
-            return jax.vmap(per_member, in_axes=(0, d_axis, 0))(state, data, kw)
+            return members(state, *data_kw)
 
         if mesh is None:
             return apply
-        split = split_members(lambda st, d, kw: apply(st, (d, kw)), mesh, (0, d_axis, 0))
+        split = split_members(members, mesh, (0, d_axis, 0))
 
         def on_mesh(state, data_kw):
             return split(state, *data_kw)
