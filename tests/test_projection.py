@@ -675,6 +675,21 @@ def test_pcg_from_a_start_solves_the_system():
                 lambda x: m @ x, b, jnp.diag(m), dot, rtol=1e-12, max_iter=200, start=start
             )
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
+        # Resumed from a start whose residual the caller passes (``b`` unused), down to
+        # an absolute squared residual ``stop``.
+        start = jnp.asarray(rng.normal(size=20))
+        got = laplacian._pcg(
+            lambda x: m @ x,
+            None,
+            jnp.diag(m),
+            dot,
+            rtol=0.0,
+            max_iter=200,
+            start=start,
+            residual=b - m @ start,
+            stop=1e-20,
+        )
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
 
 
 def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):

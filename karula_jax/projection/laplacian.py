@@ -190,7 +190,8 @@ def _hvp(ev, mask, x):
     else:
         yt = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
         dg = jnp.diag(yt)
-    return jnp.where(mask, dg[:, None] + dg[None, :] - yt - yt.T, 0.0)
+    # (yt + yt^T) and dg_i + dg_j are symmetric to the bit, so CG's iterates stay so
+    return jnp.where(mask, dg[:, None] + dg[None, :] - (yt + yt.T), 0.0)
 
 
 def _direction(red, mask, lam, ev, running, cg_iter):
@@ -214,26 +215,25 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     """
     eps = jnp.finfo(red.w.dtype).eps
     a_inv = ev.a_inv
+    grad = 0.5 * (ev.grad + ev.grad.T)  # symmetric to the bit (a Gram product may not be)
     da = jnp.diag(a_inv)
-    d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
+    d2 = 2.0 * grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
     hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
     mu = eps * jnp.max(hdiag) + jnp.finfo(red.w.dtype).tiny
     pre = hdiag + mu
-    diag_step = ev.grad / pre
+    diag_step = grad / pre
     at_zero = mask & (lam <= 0)
-    active = at_zero & (ev.grad < 0)
-    rel = ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
-    waiting = at_zero & (ev.grad > 0)
+    active = at_zero & (grad < 0)
+    rel = grad / jnp.where(mask, red.radius, 1.0) ** 2
+    waiting = at_zero & (grad > 0)
     cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
     active = active | (waiting & (rel < cut))
 
-    def solve(active, start):
-        """The Newton step with the pairs ``active`` fixed at 0, CG from ``start``."""
-        free = mask & ~active
-        s_fixed = jnp.where(active, -lam, 0.0)
-        b = jnp.where(free, ev.grad - _hvp(ev, mask, s_fixed), 0.0)
+    def solve(free, b, start=None, residual=None, stop=None):
+        """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
+        whose residual is ``residual``."""
         op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
-        s = _pcg(
+        return _pcg(
             op,
             b,
             jnp.where(free, pre, 1.0),
@@ -241,33 +241,53 @@ def _direction(red, mask, lam, ev, running, cg_iter):
             rtol=_CG_RTOL,
             max_iter=cg_iter,
             running=running,
-            start=None if start is None else jnp.where(free, start, 0.0),
+            start=start,
+            residual=residual,
+            stop=stop,
         )
-        return jnp.where(free, s, s_fixed)
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
 
+    # The pairs fixed here are at 0 (s_A = -lam_A = 0): the right-hand side is the
+    # gradient itself. A refinement fixes the crossing pairs at -lam and resumes CG from
+    # the step on the pairs left free, its residual ``grad - H s - mu s_F`` (``s`` the
+    # whole step) measured by one product; it stops at the first solve's absolute
+    # residual, ``_CG_RTOL |grad_F|``.
+    b = jnp.where(mask & ~active, grad, 0.0)
+    stop = (_CG_RTOL**2) * _pair_dot(b, b)
+    s = solve(mask & ~active, b, stop=stop)
+
     def refine(c):
         k, active, s = c
-        active = active | crossing(active, s)
-        return k + 1, active, solve(active, s)
+        cross = crossing(active, s)
+        active = active | cross
+        free = mask & ~active
+        s = jnp.where(cross, -lam, s)
+        r = jnp.where(free, grad - _hvp(ev, mask, s) - mu * s, 0.0)
+        s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop)
+        return k + 1, active, jnp.where(free, s_free, s)
 
     def more(c):
         k, active, s = c
         return running & (k < _REFINE) & jnp.any(crossing(active, s))
 
-    _, _, s = jax.lax.while_loop(more, refine, (0, active, solve(active, None)))
+    _, _, s = jax.lax.while_loop(more, refine, (0, active, s))
     return s, jnp.where(mask, diag_step, 0.0)
 
 
-def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None):
+def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None, residual=None, stop=None):
     """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD) from ``start``
-    (None: 0), until the residual is ``rtol`` times ``b``'s; no iteration when
-    ``running`` is False."""
-    stop = (rtol**2) * dot(b, b)
+    (None: 0) until the squared residual norm is at most ``stop`` (None: ``rtol^2
+    |b|^2``). ``residual``: ``b - op(start)`` where the caller has it (then ``b`` is
+    unused); no iteration when ``running`` is False."""
+    if stop is None:
+        stop = (rtol**2) * dot(b, b)
     x = jnp.zeros_like(b) if start is None else start
-    r = b if start is None else b - op(start)
+    if residual is not None:
+        r = residual
+    else:
+        r = b if start is None else b - op(start)
     z = r / pre
 
     def cond(c):
@@ -286,7 +306,7 @@ def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None):
         r = r - alpha * ap
         z = r / pre
         rz_new = dot(r, z)
-        p = z + (rz_new / jnp.maximum(rz, jnp.finfo(b.dtype).tiny)) * p
+        p = z + (rz_new / jnp.maximum(rz, jnp.finfo(r.dtype).tiny)) * p
         return x, r, p, rz_new, jnp.where(ok, k + 1, max_iter)
 
     return jax.lax.while_loop(cond, body, (x, r, z, dot(r, z), 0))[0]
