@@ -692,6 +692,38 @@ def test_pcg_from_a_start_solves_the_system():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("n, p", [(7, 3), (12, 40), (31, 5)])
+def test_newton_step_is_symmetric_to_the_bit(n, p):
+    """Radii that differ by an ulp between ``(i, j)`` and ``(j, i)`` (the input check
+    allows 1e-6, and skips traced input) become the smaller of the two, and every pair
+    array of a Newton step is then symmetric to the bit: a step that is not can fix one
+    side of a pair and not the other, and CG then solves another system."""
+    from karula_jax.projection import certificate, laplacian, reduction
+
+    v, radii_sq = _instance(n + p, n, p, "uneven")
+    radii_sq = radii_sq.astype(np.float32)
+    upper = np.triu(np.ones((n, n), bool), 1)
+    bumped = np.where(upper, np.nextafter(radii_sq, np.float32(np.inf)), radii_sq)
+    red = reduction.reduce_problem(jnp.asarray(v, jnp.float32), jnp.asarray(bumped), rotate=False)
+    radius = np.asarray(red.radius)
+    np.testing.assert_array_equal(radius, radius.T)
+    off = ~np.eye(n, dtype=bool)
+    np.testing.assert_array_equal(radius[off], np.sqrt(radii_sq)[off])  # the smaller one
+    mask = certificate.dual_mask(red)
+    rng = np.random.default_rng(n)
+    lam = np.triu(rng.uniform(0, 0.3, size=(n, n)) * (rng.uniform(size=(n, n)) < 0.4), 1)
+    lam = jnp.asarray(np.where(np.asarray(mask), lam + lam.T, 0.0), jnp.float32)
+    for gram in (False, True):
+        ev = certificate.dual_eval(lam, red, gram=gram)
+        s, s_diag = (np.asarray(a) for a in laplacian._direction(red, mask, lam, ev, True, 10))
+        assert np.abs(s).max() > 0
+        np.testing.assert_array_equal(s, s.T)
+        np.testing.assert_array_equal(s_diag, s_diag.T)
+        x = jnp.asarray(np.where(np.asarray(mask), rng.normal(size=(n, n)), 0.0), jnp.float32)
+        hx = np.asarray(laplacian._hvp(ev, mask, x + x.T))
+        np.testing.assert_array_equal(hx, hx.T)
+
+
 def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
     """With exact CG, the refined step fixes at 0 every free pair that the first step took
     below 0, and on the pairs left free solves ``-H s + mu s = grad`` (``_hvp`` is ``-H``)."""

@@ -29,8 +29,10 @@ _CG_RTOL = 0.1
 # Above this many clients the dual solver measures distances through the Gram matrix
 # (one BLAS product) instead of explicit differences.
 _GRAM_ABOVE = 96
-# See ``direction``: the share of the largest violation at which a pair at 0 enters.
+# See ``_direction``: the share of the largest violation at which a pair at 0 enters, and
+# the largest relative violation below which every violated pair enters.
 _ENTER = 0.25
+_ENTER_ALL_BELOW = 0.05
 # Step halvings of a line search along one direction.
 _HALVINGS = 31
 # Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
@@ -197,13 +199,17 @@ def _hvp(ev, mask, x):
 def _direction(red, mask, lam, ev, running, cg_iter):
     """(Newton step, diagonally scaled gradient step) at ``lam``; both [n, n].
 
-    A pair at 0 stays fixed there when its constraint has slack (negative gradient), or
-    when it is violated by less than ``_ENTER`` times the largest relative violation of
-    such pairs: letting every slightly violated pair in at once overshoots, and the
-    active set oscillates. Every pair with a positive multiplier is free: fixing those
-    that the diagonal step takes below 0 (the textbook two-metric rule) dropped a quarter
-    of a warm start's active pairs in one step at n = 300, which then came back a few
-    an iteration (14.2 Newton iterations a projection against 10.4; results/bench/README.md);
+    A pair at 0 stays fixed there when its constraint has slack (negative gradient), or when
+    it is violated by less than ``_ENTER`` times the largest relative violation of such
+    pairs: letting every slightly violated pair in at once overshoots, and the active set
+    oscillates. Once the largest such violation is below ``_ENTER_ALL_BELOW`` of the squared
+    radius (``(d^2 - r^2) / (2 r^2)``), the Newton model is close enough that every violated
+    pair enters: the cut alone admitted them a few at a time, and the last iterations halved
+    the violation each (captured runs: 5-16% fewer Newton iterations from n = 30 to 300;
+    results/bench/README.md). Every pair with a positive multiplier is free: fixing those
+    that the diagonal step takes below 0 (the textbook two-metric rule) dropped a quarter of
+    a warm start's active pairs in one step at n = 300, which then came back a few an
+    iteration (14.2 Newton iterations a projection against 10.4; results/bench/README.md);
     the refinement below fixes the ones that the Newton step itself takes below 0.
     The free pairs solve ``H_FF s_F = -(grad_F + H_FA s_A)`` by preconditioned CG (at
     most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner). Then, up to
@@ -226,7 +232,8 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     active = at_zero & (grad < 0)
     rel = grad / jnp.where(mask, red.radius, 1.0) ** 2
     waiting = at_zero & (grad > 0)
-    cut = _ENTER * jnp.max(jnp.where(waiting, rel, 0.0))
+    worst = jnp.max(jnp.where(waiting, rel, 0.0))
+    cut = jnp.where(worst < _ENTER_ALL_BELOW, 0.0, _ENTER * worst)
     active = active | (waiting & (rel < cut))
 
     def solve(free, b, start=None, residual=None, stop=None):
@@ -279,8 +286,9 @@ def _direction(red, mask, lam, ev, running, cg_iter):
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None, residual=None, stop=None):
     """Preconditioned conjugate gradients for ``op(x) = b`` (``op`` SPD) from ``start``
     (None: 0) until the squared residual norm is at most ``stop`` (None: ``rtol^2
-    |b|^2``). ``residual``: ``b - op(start)`` where the caller has it (then ``b`` is
-    unused); no iteration when ``running`` is False."""
+    |b|^2``); no iteration when ``running`` is False. ``residual``: ``b - op(start)``
+    where the caller has it (saves one ``op``); then ``b`` may be None only when
+    ``start`` and ``stop`` are given."""
     if stop is None:
         stop = (rtol**2) * dot(b, b)
     x = jnp.zeros_like(b) if start is None else start

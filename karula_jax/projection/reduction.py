@@ -84,7 +84,10 @@ def reduce_problem(x, radii_sq, *, rotate):
     dtype = x.dtype
     eye = jnp.eye(n, dtype=bool)
     r = jnp.sqrt(jnp.maximum(radii_sq.astype(dtype), 0.0))
-    r = jnp.where(eye, jnp.inf, r)
+    # the smaller of r_ij and r_ji (equal up to the input check's 1e-6, unchecked when
+    # traced): symmetric to the bit, as the components and the dual solver's pair
+    # arrays must be
+    r = jnp.where(eye, jnp.inf, jnp.minimum(r, r.T))
     labels = _components(r == 0)
     count = jax.ops.segment_sum(jnp.ones((n,), dtype), labels, n)
     live = count > 0
