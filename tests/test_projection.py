@@ -724,6 +724,22 @@ def test_newton_step_is_symmetric_to_the_bit(n, p):
         np.testing.assert_array_equal(hx, hx.T)
 
 
+def test_multipliers_stay_symmetric_on_one_dimensional_hard_instances():
+    """With p = 1 the dual Hessian is singular and CG amplifies rounding that differs
+    between ``(i, j)`` and ``(j, i)``: before the steps and trial points were symmetrized
+    this left multipliers lopsided by 0.045 (n = 5) and projections stalled short of tol
+    (``results/bench/README.md``, robustness)."""
+    from experiments.bench_projection import hard_instance
+
+    rng = np.random.default_rng(0)
+    for n in (5, 7, 10):
+        for kind in ("gauss", "clusters", "line", "tiny radii"):
+            v, radii_sq = (jnp.asarray(a) for a in hard_instance(n, 1, kind, rng))
+            _, info = proj.project(v, radii_sq, method="laplacian", max_iter=500)
+            lam = np.asarray(info.state.lam)
+            np.testing.assert_array_equal(lam, lam.T, err_msg=f"{n} {kind}")
+
+
 def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
     """With exact CG, the refined step fixes at 0 every free pair that the first step took
     below 0, and on the pairs left free solves ``-H s + mu s = grad`` (``_hvp`` is ``-H``)."""

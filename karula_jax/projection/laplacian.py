@@ -88,7 +88,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         ``s_diag`` (31 more): one loop, so that the trial is compiled once."""
 
         def trial(alpha, step):
-            new = jnp.maximum(lam + alpha * step, 0.0)
+            new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
             ev_new = evaluate(new)
             gain = _pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
@@ -172,6 +172,15 @@ def _low_rank(n, k):
     return 3 * k < 2 * n
 
 
+def _symmetric(a):
+    """``(a + a^T) / 2``, symmetric to the bit. Steps and trial points are symmetric by
+    construction, but XLA may round ``(i, j)`` and ``(j, i)`` differently (fused
+    multiply-adds in vector lanes and not in a loop's tail), and CG amplifies that where
+    the Hessian is singular (p = 1): a lopsided step fixed one side of a pair only, and
+    projections stalled short of tol (results/bench/README.md, robustness)."""
+    return 0.5 * (a + a.T)
+
+
 def _pair_dot(a, b):
     """Inner product over the pairs ``i < j`` of two symmetric ``[n, n]`` arrays."""
     return 0.5 * jnp.sum(a * b)
@@ -240,7 +249,7 @@ def _direction(red, mask, lam, ev, running, cg_iter):
         """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
         whose residual is ``residual``."""
         op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
-        return _pcg(
+        x = _pcg(
             op,
             b,
             jnp.where(free, pre, 1.0),
@@ -252,6 +261,7 @@ def _direction(red, mask, lam, ev, running, cg_iter):
             residual=residual,
             stop=stop,
         )
+        return _symmetric(x)
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
