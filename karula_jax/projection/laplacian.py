@@ -63,7 +63,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
     mask = dual_mask(red)
     eps = jnp.finfo(red.w.dtype).eps
-    lam0 = jnp.where(mask, jnp.maximum(0.5 * (lam0 + lam0.T), 0.0), 0.0)
+    lam0 = jnp.where(mask, jnp.maximum(_symmetric(lam0), 0.0), 0.0)
 
     def kkt(lam, ev):
         rel = 2.0 * ev.grad / jnp.where(mask, red.radius, 1.0) ** 2
@@ -201,7 +201,8 @@ def _hvp(ev, mask, x):
     else:
         yt = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
         dg = jnp.diag(yt)
-    # (yt + yt^T) and dg_i + dg_j are symmetric to the bit, so CG's iterates stay so
+    # (yt + yt^T) and dg_i + dg_j are symmetric to the bit, so is the product (CG's
+    # updates may still round apart: ``_symmetric``)
     return jnp.where(mask, dg[:, None] + dg[None, :] - (yt + yt.T), 0.0)
 
 
@@ -230,7 +231,7 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     """
     eps = jnp.finfo(red.w.dtype).eps
     a_inv = ev.a_inv
-    grad = 0.5 * (ev.grad + ev.grad.T)  # symmetric to the bit (a Gram product may not be)
+    grad = _symmetric(ev.grad)  # a Gram product may round (i, j) and (j, i) apart
     da = jnp.diag(a_inv)
     d2 = 2.0 * grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
     hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
@@ -271,9 +272,10 @@ def _direction(red, mask, lam, ev, running, cg_iter):
     # the step on the pairs left free, its residual ``grad - H s - mu s_F`` (``s`` the
     # whole step) measured by one product; it stops at the first solve's absolute
     # residual, ``_CG_RTOL |grad_F|``.
-    b = jnp.where(mask & ~active, grad, 0.0)
+    free = mask & ~active
+    b = jnp.where(free, grad, 0.0)
     stop = (_CG_RTOL**2) * _pair_dot(b, b)
-    s = solve(mask & ~active, b, stop=stop)
+    s = solve(free, b, stop=stop)
 
     def refine(c):
         k, active, s = c
