@@ -42,13 +42,15 @@ _SWEEPS = 4
 # (results/bench/README.md).
 _REFINE = 1
 # Levenberg-Marquardt damping of the Newton system (``_direction``): its weight grows by
-# _DAMP_UP (to at least _DAMP_MIN) after a line search that needed more than _DAMP_TRIALS
-# trials, and shrinks by _DAMP_DOWN (to 0 below _DAMP_MIN) after a full step. Where the
+# _DAMP_UP (to at least _DAMP_MIN, at most _DAMP_MAX) after a line search that needed
+# more than _DAMP_TRIALS trials or failed, and shrinks by _DAMP_DOWN (to 0 below
+# _DAMP_MIN) after a full step; phase 1 starts from phase 0's weight. Where the
 # dual is degenerate (p = 1: many more active pairs than the Hessian's rank) undamped
 # steps needed 3-12 halvings each and 49 of 630 hard cold starts missed tol 1e-6 in 500
 # iterations; damped, all 630 converge (at most 73 iterations), and the training
 # captures take the same Newton iterations (results/bench/README.md, robustness).
 _DAMP_MIN = 0.01
+_DAMP_MAX = 1e4
 _DAMP_UP = 4.0
 _DAMP_DOWN = 0.25
 _DAMP_TRIALS = 2
@@ -62,14 +64,14 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     incidence matrix, ``o`` the entrywise product). A Hessian-vector product costs one
     Laplacian product, one multiplication by ``(M + L)^{-1}`` and one Gram product,
     ``O(n^2 k)``, so no pair-by-pair or per-pair-vector storage is needed. Each step
-    fixes some pairs at 0 and takes a Newton step on the others (:func:`_direction`);
-    an Armijo search along the projected path keeps the ascent monotone, with the
-    diagonally scaled gradient as the fallback direction. ``warm.lam``
-    starts it (symmetrized, clipped at 0); no per-pair state (``pair_dual`` ``[0, k]``).
+    fixes some pairs at 0 and takes a (Levenberg-Marquardt damped) Newton step on the
+    others (:func:`_direction`); an Armijo search along the projected path keeps the
+    ascent monotone up to g's float resolution (``64 eps |g|``), the diagonally scaled
+    gradient its fallback. ``warm.lam`` starts it (symmetrized, clipped at 0); the
+    returned state has no per-pair part (``pair_dual`` ``[0, k]``).
     """
-    n = red.w.shape[0]
     low_rank = _low_rank(*red.w.shape)
-    gram = n > _GRAM_ABOVE
+    gram = red.w.shape[0] > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
     mask = dual_mask(red)
     lam0 = jnp.where(mask, jnp.maximum(_symmetric(warm.lam), 0.0), 0.0)
@@ -90,17 +92,17 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     def line_search(lam, ev, s, s_diag, running, evaluate):
         """Armijo search along the projected path of the Newton step ``s`` (31 halvings
         from 1), then, where all of them fail, along the diagonally scaled gradient step
-        ``s_diag`` (31 more): one loop, so that the trial is compiled once."""
+        ``s_diag`` (31 more), in one loop (the trial compiled once): (point, evaluation,
+        accepted, trials)."""
 
         def trial(alpha, step):
             new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
             ev_new = evaluate(new)
             gain = _pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
-            # Near the solution the gain drops below the float resolution of g: there a
-            # step that keeps g within it is accepted when it reduces the relative KKT
-            # residual instead (not one that loses more: degenerate duals stalled).
-            res = 64.0 * jnp.finfo(lam.dtype).eps * jnp.abs(ev.g)
+            # Below g's float resolution (res) a step keeping g within it is accepted on
+            # a smaller KKT residual (not one losing more: degenerate duals stalled).
+            res = 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
             flat = (jnp.abs(gain) <= res) & (ev_new.g >= ev.g - res)
             ok = ok | (flat & (_kkt(red, mask, new, ev_new) < _kkt(red, mask, lam, ev)))
             return new, ev_new, ok
@@ -125,10 +127,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         """Newton iterations from ``lam`` (``ev`` its evaluation, ``damping`` the
         Levenberg-Marquardt weight) until the certificate meets ``tol``, ``it`` reaches
         ``max_iter`` or a line search fails; returns ``(lam, ev, it, damping, (feasible
-        theta, certified gap))``, the certificates measuring
-        distances exactly with ``exact_distances`` (else through the Gram matrix above
-        ``_GRAM_ABOVE`` clients). ``start``: the repaired theta of a certificate at the
-        same ``lam`` (phase 0's last): the first certificate only restores it (exactly)."""
+        theta, certified gap))``, the certificates measuring distances exactly with
+        ``exact_distances`` (else through the Gram matrix above ``_GRAM_ABOVE`` clients).
+        ``start``: the repaired theta of a certificate at the same ``lam`` (phase 0's
+        last): the first certificate only restores it (exactly)."""
         by_gram = gram and not exact_distances
 
         def cond(c):
@@ -194,10 +196,11 @@ def _kkt(red, mask, lam, ev):
 def _next_damping(damping, trials, ok):
     """The Levenberg-Marquardt weight after a line search that took ``trials`` trials
     (1: the full Newton step; ``ok`` False: it failed): up by ``_DAMP_UP`` (to at least
-    ``_DAMP_MIN``) after more than ``_DAMP_TRIALS``, down by ``_DAMP_DOWN`` after a full
-    step (to 0 below ``_DAMP_MIN``), else unchanged."""
+    ``_DAMP_MIN``, at most ``_DAMP_MAX``) after more than ``_DAMP_TRIALS`` or a failure,
+    down by ``_DAMP_DOWN`` after a full step (to 0 below ``_DAMP_MIN``), else unchanged.
+    Dimensionless: ``_direction`` scales it by the largest Hessian diagonal."""
     up = (trials > _DAMP_TRIALS) | ~ok
-    grown = jnp.maximum(_DAMP_UP * damping, _DAMP_MIN)
+    grown = jnp.clip(_DAMP_UP * damping, _DAMP_MIN, _DAMP_MAX)
     shrunk = jnp.where(_DAMP_DOWN * damping < _DAMP_MIN, 0.0, _DAMP_DOWN * damping)
     return jnp.where(up, grown, jnp.where(trials == 1, shrunk, damping))
 
@@ -254,8 +257,8 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     The free pairs solve ``(H_FF + mu I) s_F = -(grad_F + H_FA s_A)`` by preconditioned
     CG (at most ``cg_iter`` steps, relative residual 0.1; Jacobi preconditioner), ``mu``
     the largest Hessian diagonal times ``eps + damping min(1, KKT residual)``
-    (Levenberg-Marquardt; ``damping`` is 0 until line searches need halvings,
-    :func:`_next_damping`). Then, up to
+    (Levenberg-Marquardt; ``damping`` is 0 until a line search needs more than one
+    halving, :func:`_next_damping`). Then, up to
     ``_REFINE`` times, the free pairs that the step takes below 0 are fixed at 0 too and
     CG resumes from the step on the pairs left free: the step's face is settled with
     Hessian products only, before the line search pays for an evaluation (``O(n^3)``),
@@ -272,7 +275,9 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     diag_step = grad / (hdiag + mu)
     # Levenberg-Marquardt: the weight ``damping`` (``_next_damping``) times the KKT
     # residual, so that damped steps turn into Newton steps near the solution.
-    mu = mu + damping * jnp.minimum(_kkt(red, mask, lam, ev), 1.0) * jnp.max(hdiag)
+    # (0 where undamped, also should the residual be NaN)
+    lm = jnp.where(damping > 0, damping * jnp.minimum(_kkt(red, mask, lam, ev), 1.0), 0.0)
+    mu = mu + lm * jnp.max(hdiag)
     pre = hdiag + mu
     at_zero = mask & (lam <= 0)
     active = at_zero & (grad < 0)
