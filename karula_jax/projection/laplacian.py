@@ -91,9 +91,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
     def line_search(lam, ev, s, s_diag, running, evaluate):
         """Armijo search along the projected path of the Newton step ``s`` (31 halvings
-        from 1), then, where all of them fail, along the diagonally scaled gradient step
-        ``s_diag`` (31 more), in one loop (the trial compiled once): (point, evaluation,
-        accepted, trials)."""
+        from 1), then, where all fail, of the diagonally scaled gradient step ``s_diag``
+        (31 more), one loop (one compiled trial): (point, evaluation, accepted, trials)."""
+        kkt = _kkt(red, mask, lam, ev)  # the same for every trial
 
         def trial(alpha, step):
             new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
@@ -104,7 +104,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             # a smaller KKT residual (not one losing more: degenerate duals stalled).
             res = 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
             flat = (jnp.abs(gain) <= res) & (ev_new.g >= ev.g - res)
-            ok = ok | (flat & (_kkt(red, mask, new, ev_new) < _kkt(red, mask, lam, ev)))
+            ok = ok | (flat & (_kkt(red, mask, new, ev_new) < kkt))
             return new, ev_new, ok
 
         def cond(c):
