@@ -348,6 +348,34 @@ def test_spectral_keeps_every_group_nonempty_with_duplicate_clients():
         assert sorted(set(labels)) == list(range(k))
 
 
+def test_spectral_kmeans_equals_scipy_kmeans2():
+    """The k-means under the spectral method stops once its labels repeat; scipy's
+    ``kmeans2`` (same k-means++ draws from the same generator) runs all its iterations.
+    Both must give the same labels, also with coincident rows and k = 1 or n."""
+    import warnings
+
+    from scipy.cluster.vq import kmeans2
+
+    from karula_jax.algorithms import clustered
+
+    rng = np.random.default_rng(21)
+    for trial in range(60):
+        n = int(rng.integers(1, 40))
+        k = int(rng.integers(1, min(n, 12) + 1))
+        X = rng.standard_normal((n, k))
+        if trial % 4 == 0:
+            X[: (n + 1) // 2] = X[0]  # coincident rows: k-means++ may empty a cluster
+        X /= np.linalg.norm(X, axis=1, keepdims=True)
+        ours_rng, ref_rng = np.random.default_rng(trial), np.random.default_rng(trial)
+        for _ in range(2):  # the generator's state carries over between restarts
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ours = clustered._lloyd(X, clustered._kmeans_pp(X, k, ours_rng), 300)
+            with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+                warnings.simplefilter("ignore", UserWarning)
+                _, ref = kmeans2(X, k, iter=300, minit="++", seed=ref_rng, missing="warn")
+            np.testing.assert_array_equal(ours, ref, err_msg=f"n={n} k={k} trial={trial}")
+
+
 # --------------------------------------------------------------------------- clustered FedAvg
 
 

@@ -7,14 +7,12 @@ runs FedAvg inside each group. Both are ablations of Karula that use the same ``
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.cluster.hierarchy import cut_tree, linkage
-from scipy.cluster.vq import kmeans2
 from scipy.spatial.distance import squareform
 
 from karula_jax.algorithms import _common as C
@@ -79,9 +77,43 @@ def _fill_empty(X: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     return labels
 
 
+def _kmeans_pp(X: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding: the first center a uniformly drawn row, each next one a row
+    drawn with probability proportional to its squared distance to the nearest center
+    so far. Draws from ``rng`` as :func:`scipy.cluster.vq.kmeans2` (``minit="++"``) does:
+    one integer, then one uniform per further center. ``[n, d] -> [k, d]``."""
+    centers = np.empty((k, X.shape[1]))
+    centers[0] = X[rng.integers(X.shape[0])]
+    nearest = np.full(X.shape[0], np.inf)
+    for i in range(1, k):
+        nearest = np.minimum(nearest, ((X - centers[i - 1]) ** 2).sum(1))
+        cumulative = np.cumsum(nearest / nearest.sum())
+        centers[i] = X[int(np.searchsorted(cumulative, rng.uniform()))]
+    return centers
+
+
+def _lloyd(X: np.ndarray, centers: np.ndarray, max_iter: int) -> np.ndarray:
+    """Lloyd iterations from ``centers`` ``[k, d]``: each row to its nearest center
+    (the first on ties), each center to the mean of its rows (an empty cluster keeps its
+    center), until the labels repeat (a fixed point: every later iteration would return
+    the same) or ``max_iter`` iterations. Returns the labels ``[n]``."""
+    k, labels = centers.shape[0], None
+    for _ in range(max_iter):
+        new = np.argmin(((X[:, None, :] - centers[None]) ** 2).sum(-1), axis=1)
+        if labels is not None and np.array_equal(new, labels):
+            break
+        labels = new
+        sums = np.zeros_like(centers)
+        np.add.at(sums, labels, X)
+        counts = np.bincount(labels, minlength=k)
+        centers = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], centers)
+    return labels
+
+
 def _spectral(D, k: int, seed: int, restarts: int, max_iter: int) -> np.ndarray:
-    """Normalized spectral clustering (Ng, Jordan and Weiss 2002) of ``D``, with the
-    k-means of :func:`scipy.cluster.vq.kmeans2` (k-means++ seeding)."""
+    """Normalized spectral clustering (Ng, Jordan and Weiss 2002) of ``D``: k-means
+    (:func:`_kmeans_pp` seeding, :func:`_lloyd`) on the rows of its spectral embedding,
+    ``restarts`` times, the lowest inertia kept."""
     W = weights_numpy(D)
     deg = W.sum(1)
     inv_sqrt = np.where(deg > 0, 1.0 / np.sqrt(np.where(deg > 0, deg, 1.0)), 0.0)
@@ -94,10 +126,9 @@ def _spectral(D, k: int, seed: int, restarts: int, max_iter: int) -> np.ndarray:
     best, best_inertia = None, np.inf
     for _ in range(restarts):
         # rows that coincide leave k-means++ without a distinct row to seed from and can
-        # empty a cluster: scipy warns, _fill_empty repairs
-        with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
-            warnings.simplefilter("ignore", UserWarning)
-            _, labels = kmeans2(X, k, iter=max_iter, minit="++", seed=rng, missing="warn")
+        # empty a cluster: _fill_empty repairs
+        with np.errstate(invalid="ignore", divide="ignore"):
+            labels = _lloyd(X, _kmeans_pp(X, k, rng), max_iter)
         labels = _fill_empty(X, labels, k)
         centers = np.stack([X[labels == c].mean(0) for c in range(k)])
         inertia = float(((X - centers[labels]) ** 2).sum())
@@ -114,9 +145,10 @@ def cluster_clients(
     * ``"spectral"`` (default): affinity ``W = graph_weights(D)`` (``exp(-D_ij /
       median D)``, 0 for ``D_ij = inf``), normalized Laplacian ``I - Deg^{-1/2} W
       Deg^{-1/2}``, its ``k`` eigenvectors of smallest eigenvalue as an ``[n, k]``
-      embedding with rows scaled to unit norm, then k-means on the rows
-      (:func:`scipy.cluster.vq.kmeans2`, k-means++ seeding from
-      ``numpy.random.default_rng(seed)``, ``restarts`` runs, the lowest inertia kept; an
+      embedding with rows scaled to unit norm, then k-means on the rows (k-means++
+      seeding from ``numpy.random.default_rng(seed)`` and Lloyd iterations to a fixed
+      point, as :func:`scipy.cluster.vq.kmeans2` with ``minit="++"`` but stopped once
+      the labels repeat; ``restarts`` runs, the lowest inertia kept; an
       emptied cluster takes the row farthest from its center, so none is left empty).
       Deterministic for a given ``seed``.
     * ``"agglomerative"``: average linkage on ``D`` cut at ``k`` groups
