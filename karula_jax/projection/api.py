@@ -102,6 +102,7 @@ class _Screen(NamedTuple):
 
     as_is: jnp.ndarray  # [] bool, every constraint provably holds at x
     beta: jnp.ndarray  # [] largest shrink toward the mean that provably holds, <= 1
+    mean: jnp.ndarray  # [p] the client mean of x
     xc: jnp.ndarray  # [n, p] x minus its client mean
     violation: jnp.ndarray  # [] bound on the shrunk point's violation from rounding
 
@@ -127,7 +128,8 @@ def _screen(x, radii_sq) -> _Screen:
     n, p = x.shape
     eps = jnp.finfo(x.dtype).eps
     margin = 4.0 * (p + 4) * eps
-    xc = x - client_mean(x)
+    mean = client_mean(x)
+    xc = x - mean
     sq = jnp.sum(xc * xc, axis=1)
     r2 = radii_sq.astype(x.dtype) * (1.0 - 8.0 * eps)
     constrained = ~jnp.eye(n, dtype=bool) & ~jnp.isposinf(r2)
@@ -151,7 +153,7 @@ def _screen(x, radii_sq) -> _Screen:
     r = jnp.sqrt(jnp.maximum(radii_sq.astype(x.dtype), 0.0))
     excess = beta * jnp.sqrt(upper) + 2.0 * eps * (norm[:, None] + norm[None, :]) - r
     violation = jnp.maximum(jnp.max(jnp.where(constrained, excess, 0.0)), 0.0)
-    return _Screen(as_is, beta, xc, violation)
+    return _Screen(as_is, beta, mean, xc, violation)
 
 
 def _exact_info(dtype, state) -> ProjectionInfo:
@@ -173,8 +175,9 @@ def _project_core(x, radii_sq, state, tol, max_iter, *, method):
 
     ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
     Before the solver, :func:`_screen` returns ``x`` itself when it is feasible, or its
-    shrink toward the mean when that is certified within ``tol`` (then the multipliers
-    are 0 and the solver, ``O(n^3 + n^2 p)`` per evaluation, is skipped).
+    shrink toward the mean when that is certified within ``tol``, or the mean in every row
+    when every radius is 0 (the exact projection then; t = 0) (then the multipliers are 0
+    and the solver, ``O(n^3 + n^2 p)`` per evaluation, is skipped).
     """
     # Full-precision float32 products: GPUs otherwise multiply float32 in TF32 (a 10-bit
     # mantissa), too coarse for the screen's rounding bound and the dual certificate.
@@ -185,14 +188,20 @@ def _project_core(x, radii_sq, state, tol, max_iter, *, method):
 def _project_branches(x, radii_sq, state, tol, max_iter, *, method):
     zero_state = jax.tree.map(lambda a: jnp.zeros(a.shape, x.dtype), state)
     screen = _screen(x, radii_sq)
-    gap = (1.0 - screen.beta) ** 2  # relative to S
+    # Every pair at radius 0 (t = 0 in a CV grid): the feasible set is {all rows equal},
+    # whose nearest point is the mean (the shrink at beta = 0), exactly: no gap, and
+    # the mean itself in every row, so no violation either.
+    consensus = jnp.all((radii_sq == 0) | jnp.eye(x.shape[0], dtype=bool))
+    gap = jnp.where(consensus, 0.0, (1.0 - screen.beta) ** 2)  # relative to S
 
     def shrink():
         scale = 0.5 * jnp.sum(screen.xc * screen.xc)
-        out = x - (1.0 - screen.beta) * screen.xc
+        mean = jnp.broadcast_to(screen.mean, x.shape)
+        out = jnp.where(consensus, mean, x - (1.0 - screen.beta) * screen.xc)
+        violation = jnp.where(consensus, 0.0, screen.violation)
         info = _exact_info(x.dtype, zero_state)._replace(
-            max_violation=screen.violation,
-            rel_violation=_relative(screen.violation, radii_sq),
+            max_violation=violation,
+            rel_violation=_relative(violation, radii_sq),
             delta=gap * scale,
             rel_delta=gap,
         )
