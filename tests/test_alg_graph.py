@@ -7,6 +7,8 @@ local step is its weighted ridge fit) and scipy's average linkage.
 
 from __future__ import annotations
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -27,10 +29,12 @@ from _alg_problems import (
     zeros,
 )
 from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.cluster.vq import kmeans2
 from scipy.spatial.distance import squareform
 
 from karula_jax.algorithms import (
     cluster_clients,
+    clustered,
     clustered_fedavg,
     fedavg,
     graph_weights,
@@ -352,12 +356,6 @@ def test_spectral_kmeans_equals_scipy_kmeans2():
     """The k-means under the spectral method stops once its labels repeat; scipy's
     ``kmeans2`` (same k-means++ draws from the same generator) runs all its iterations.
     Both must give the same labels, also with coincident rows and k = 1 or n."""
-    import warnings
-
-    from scipy.cluster.vq import kmeans2
-
-    from karula_jax.algorithms import clustered
-
     rng = np.random.default_rng(21)
     for trial in range(60):
         n = int(rng.integers(1, 40))

@@ -93,16 +93,17 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         """Armijo search along the projected path of the Newton step ``s`` (31 halvings
         from 1), then, where all fail, of the diagonally scaled gradient step ``s_diag``
         (31 more), one loop (one compiled trial): (point, evaluation, accepted, trials)."""
-        kkt = _kkt(red, mask, lam, ev)  # the same for every trial
+        # The same for every trial: the KKT residual and g's float resolution here.
+        kkt = _kkt(red, mask, lam, ev)
+        res = 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
 
         def trial(alpha, step):
             new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
             ev_new = evaluate(new)
             gain = _pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
-            # Below g's float resolution (res) a step keeping g within it is accepted on
-            # a smaller KKT residual (not one losing more: degenerate duals stalled).
-            res = 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
+            # Below g's float resolution a step keeping g within it is accepted on a
+            # smaller KKT residual (not one losing more: degenerate duals stalled).
             flat = (jnp.abs(gain) <= res) & (ev_new.g >= ev.g - res)
             ok = ok | (flat & (_kkt(red, mask, new, ev_new) < kkt))
             return new, ev_new, ok
