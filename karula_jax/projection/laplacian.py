@@ -94,8 +94,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         from 1), then, where all fail, of the diagonally scaled gradient step ``s_diag``
         (31 more), one loop (one compiled trial): (point, evaluation, accepted, trials)."""
         # The same for every trial: the KKT residual and g's float resolution here.
-        kkt = _kkt(red, mask, lam, ev)
-        res = 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
+        kkt, res = _kkt(red, mask, lam, ev), 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
 
         def trial(alpha, step):
             new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
