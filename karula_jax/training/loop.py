@@ -227,9 +227,11 @@ def run(
     """Runs ``num_rounds`` rounds of ``algorithm`` as a loop over compiled chunks.
 
     The chunk program (a ``lax.scan`` over ``chunk_size`` rounds, state buffers donated) is
-    compiled once; the final chunk runs the same program with its trailing rounds masked
-    (see the module docstring). After every chunk the driver checks the rounds' ``finite``
-    flags, evaluates metrics, writes a checkpoint and updates the progress bar.
+    compiled once (on CPU at LLVM's optimization level 2 unless ``XLA_FLAGS`` sets one:
+    :func:`karula_jax.training._compile.round_compiler_options`); the final chunk runs the
+    same program with its trailing rounds masked (see the module docstring). After every
+    chunk the driver checks the rounds' ``finite`` flags, evaluates metrics, writes a
+    checkpoint and updates the progress bar.
 
     Args:
       algorithm: an :class:`Algorithm` (``init``, ``round``, ``client_params``).
