@@ -225,7 +225,7 @@ def test_rounds_compile_with_llvm_level_2_on_cpu_unless_xla_flags_choose(monkeyp
     res = training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
     # The runner hands the options to XLA: one it does not know fails the compile.
     monkeypatch.setattr(_compile, "_CPU_OPTIONS", {"xla_no_such_option_here": 1})
-    with pytest.raises(Exception, match="xla_no_such_option_here"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option_here"):
         training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
     # A level set in XLA_FLAGS (the suite's 0, from conftest.py) wins: no options.
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")

@@ -174,10 +174,11 @@ def _project_core(x, radii_sq, state, tol, max_iter, *, method):
     """Core on flattened personalized coordinates. x: [n, p] -> ([n, p], info).
 
     ``tol`` and ``max_iter`` are traced scalars so that changing them never recompiles.
-    Before the solver, :func:`_screen` returns ``x`` itself when it is feasible, or its
-    shrink toward the mean when that is certified within ``tol``, or the mean in every row
-    when every radius is 0 (the exact projection then; t = 0) (then the multipliers are 0
-    and the solver, ``O(n^3 + n^2 p)`` per evaluation, is skipped).
+    Before the solver, :func:`_screen` returns ``x`` itself when it is feasible, its
+    shrink toward the mean when that is certified within ``tol``, or, when every radius
+    is 0 (t = 0), the mean in every row, which is then the exact projection. In all three
+    cases the multipliers are 0 and the solver, ``O(n^3 + n^2 p)`` per evaluation, is
+    skipped.
     """
     # Full-precision float32 products: GPUs otherwise multiply float32 in TF32 (a 10-bit
     # mantissa), too coarse for the screen's rounding bound and the dual certificate.
