@@ -219,8 +219,8 @@ def test_rounds_compile_with_llvm_level_2_on_cpu_unless_xla_flags_choose(monkeyp
 
     arrays = (jnp.zeros(3), {"k": jnp.ones((2, 2))})
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-    assert _compile.round_compiler_options(arrays) == {"xla_backend_optimization_level": 2}
-    assert _compile.round_compiler_options((np.zeros(3), 1.0)) is None  # no device arrays
+    assert _compile.loop_compiler_options(arrays) == {"xla_backend_optimization_level": 2}
+    assert _compile.loop_compiler_options((np.zeros(3), 1.0)) is None  # no device arrays
     key = jax.random.PRNGKey(3)
     res = training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
     # The runner hands the options to XLA: one it does not know fails the compile.
@@ -229,6 +229,6 @@ def test_rounds_compile_with_llvm_level_2_on_cpu_unless_xla_flags_choose(monkeyp
         training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
     # A level set in XLA_FLAGS (the suite's 0, from conftest.py) wins: no options.
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
-    assert _compile.round_compiler_options(arrays) is None
+    assert _compile.loop_compiler_options(arrays) is None
     ref = training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
     chex.assert_trees_all_close(res.state.params, ref.state.params, rtol=1e-5, atol=1e-6)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from karula_jax._checks import DeferredChecks, check_positive_int, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.training import checkpoint as ckpt
-from karula_jax.training._compile import round_compiler_options
+from karula_jax.training._compile import loop_compiler_options
 from karula_jax.training.diagnostics import (
     first_nonfinite,
     nonfinite_data,
@@ -228,7 +228,7 @@ def run(
 
     The chunk program (a ``lax.scan`` over ``chunk_size`` rounds, state buffers donated) is
     compiled once (on CPU at LLVM's optimization level 2 unless ``XLA_FLAGS`` sets one:
-    :func:`karula_jax.training._compile.round_compiler_options`); the final chunk runs the
+    :func:`karula_jax.training._compile.loop_compiler_options`); the final chunk runs the
     same program with its trailing rounds masked (see the module docstring). After every
     chunk the driver checks the rounds' ``finite`` flags, evaluates metrics, writes a
     checkpoint and updates the progress bar.
@@ -376,7 +376,7 @@ def run_chunks(
 
     t0 = time.perf_counter()
     lowered = _jitted_chunk(algorithm, chunk_size).lower(state, data, jnp.int32(chunk_size))
-    compiled = lowered.compile(round_compiler_options((state, data)))
+    compiled = lowered.compile(loop_compiler_options((state, data)))
     hist.timings["compile_s"] = time.perf_counter() - t0
     bar = RoundBar(num_rounds, done, progress and jax.process_index() == 0, desc)
     try:
