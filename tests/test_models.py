@@ -193,6 +193,22 @@ def test_ridge_loss_closed_forms():
         models.ridge_loss("a")
 
 
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (7, 5), (3, 4, 5)])
+def test_linear_prediction_is_x_at_w_for_any_leading_axes(shape):
+    # The losses' parameters-first product (a faster batched layout under a vmapped
+    # grid) must equal x @ w for every x [..., d] a user may pass, one row included.
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
+    got = models._linear(w, x)
+    assert got.shape == shape[:-1]
+    np.testing.assert_allclose(got, x @ w, rtol=1e-6, atol=1e-6)
+    # and under vmap over a grid of w sharing x, each grid point's own product
+    ws = jnp.stack([w, 2 * w, -w])
+    grid = jax.vmap(models._linear, (0, None))(ws, x)
+    np.testing.assert_allclose(grid[1], x @ (2 * w), rtol=1e-6, atol=1e-6)
+
+
 def test_logistic_loss_and_accuracy_closed_forms():
     rng = np.random.default_rng(5)
     n, d, lam = 15, 4, 0.1
