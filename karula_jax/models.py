@@ -232,7 +232,7 @@ def _linear(w, x):
     that product with the rows in the middle: pFedMe's and IFCA's CV batches of the
     synthetic study took 1.3x as long (results/bench/README.md, "Linear models").
     """
-    return jnp.einsum("d,...d->...", w, x)
+    return jnp.tensordot(w, x, axes=(0, -1))
 
 
 def ridge_loss(lam: float) -> Callable:
