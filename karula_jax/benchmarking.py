@@ -34,7 +34,7 @@ import numpy as np
 from karula_jax.data import random_classification
 from karula_jax.models import cross_entropy_loss, init_params, mlp
 from karula_jax.reporting import markdown_table
-from karula_jax.training._compile import loop_compiler_options
+from karula_jax.training._compile import compile_loops
 
 __all__ = [
     "ITERATION_BINS",
@@ -134,8 +134,7 @@ def compiled_round(step: Callable, state, *args) -> tuple[Callable, float]:
     (:func:`karula_jax.training._compile.loop_compiler_options`), as
     :func:`karula_jax.training.run` compiles a round."""
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=0).lower(state, *args)
-    fn = lowered.compile(loop_compiler_options((state, args)))
+    fn = compile_loops(jax.jit(step, donate_argnums=0), state, *args)
     return fn, time.perf_counter() - t0
 
 

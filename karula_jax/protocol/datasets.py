@@ -22,7 +22,7 @@ from karula_jax import evaluation as ev
 from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
 from karula_jax.training import default_batch_mesh, split_members
-from karula_jax.training._compile import loop_compiler_options
+from karula_jax.training._compile import compile_loops
 
 __all__ = [
     "CVData",
@@ -157,8 +157,7 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
     members = jax.vmap(lambda d, k: dissimilarities(d, key=k, **options))
     members = split_members(members, default_batch_mesh(num_members), (0, 0))
     # Sinkhorn loops: compiled like a run's rounds (LLVM level 2 on the CPU)
-    lowered = jax.jit(members).lower(train, keys)
-    return lowered.compile(loop_compiler_options((train, keys)))(train, keys)
+    return compile_loops(jax.jit(members), train, keys)(train, keys)
 
 
 def cluster_labels(D: Any, choices: Sequence[int]) -> np.ndarray:

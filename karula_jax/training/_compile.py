@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["loop_compiler_options"]
+__all__ = ["compile_loops", "loop_compiler_options"]
 
 # XLA:CPU compiles the rounds with LLVM's optimization level 2 instead of its default 3.
 # Measured on the synthetic study's Karula CV chunk (one process, the option sets
@@ -40,3 +40,9 @@ def loop_compiler_options(tree: Any) -> dict[str, Any] | None:
         for device in leaf.devices()
     }
     return dict(_CPU_OPTIONS) if platforms == {"cpu"} else None
+
+
+def compile_loops(jitted, *args):
+    """``jitted`` (a ``jax.jit`` function) lowered for ``args`` and compiled with
+    :func:`loop_compiler_options` of ``args``: the executable, called as ``f(*args)``."""
+    return jitted.lower(*args).compile(loop_compiler_options(args))

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from karula_jax._checks import DeferredChecks, check_positive_int, deferred_checks
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.training import checkpoint as ckpt
-from karula_jax.training._compile import loop_compiler_options
+from karula_jax.training._compile import compile_loops
 from karula_jax.training.diagnostics import (
     first_nonfinite,
     nonfinite_data,
@@ -375,8 +375,10 @@ def run_chunks(
         return hist.result(state)
 
     t0 = time.perf_counter()
-    lowered = _jitted_chunk(algorithm, chunk_size).lower(state, data, jnp.int32(chunk_size))
-    compiled = lowered.compile(loop_compiler_options((state, data)))
+    # (a NumPy count: the compiler options follow where the state and data live)
+    compiled = compile_loops(
+        _jitted_chunk(algorithm, chunk_size), state, data, np.int32(chunk_size)
+    )
     hist.timings["compile_s"] = time.perf_counter() - t0
     bar = RoundBar(num_rounds, done, progress and jax.process_index() == 0, desc)
     try:
