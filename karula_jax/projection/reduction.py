@@ -132,8 +132,11 @@ def pull_violated(th, radius, mass, sweeps):
     return jax.lax.fori_loop(0, sweeps, sweep, th)
 
 
-def restore(th, radius, *, gram=False):
+def restore(th, radius, *, gram=False, sq_dists=None):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds.
+
+    Distances from ``sq_dists`` where given (``sq_dists_exact(th)`` computed by the
+    caller: the same bits), else measured here, through the Gram matrix with ``gram``.
 
     The margin (4 eps of each radius) covers this function's own rounding; the caller's
     final ``v + move`` in the original coordinates may add up to ``eps`` times a row's
@@ -141,7 +144,9 @@ def restore(th, radius, *, gram=False):
     shrink (that would cost float32 its certificate at the default tolerance).
     """
     eps = jnp.finfo(th.dtype).eps
-    d = jnp.sqrt(sq_dists_gram(th) if gram else sq_dists_exact(th))
+    if sq_dists is None:
+        sq_dists = sq_dists_gram(th) if gram else sq_dists_exact(th)
+    d = jnp.sqrt(sq_dists)
     ok = jnp.isfinite(radius) & (d > 0)
     ratio = jnp.where(ok, radius * (1.0 - 4.0 * eps) / jnp.where(ok, d, 1.0), jnp.inf)
     beta = jnp.minimum(1.0, jnp.min(ratio))
