@@ -77,23 +77,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     mask = dual_mask(red)
     lam0 = jnp.where(mask, jnp.maximum(_symmetric(warm.lam), 0.0), 0.0)
 
-    def certify(ev, by_gram):
-        """(feasible theta, certified gap, exact squared distances of ``ev.th`` or None) at
-        an evaluation. The shrink of theta(lam) pays for the worst violated pair on every
-        pair; where the Lagrangian part of the gap, ``primal(theta(lam)) - g(lam)``, is
-        already within ``tol``, violated pairs are first pulled together (``_SWEEPS``
-        sweeps; at n = 100 half the iterations of a warm start). Only where the models span
-        few dimensions (``_low_rank``): a sweep costs ``O(n^2 k)``, more than it saves where
-        ``k`` nears ``n`` (bench README). Up to ``_GRAM_ABOVE`` clients the distances are
-        exact and returned, so that phase 1's certified evaluation of the same theta does
-        not measure them again."""
-        sq = None if (by_gram or gram) else sq_dists_exact(ev.th)
-        if not low_rank:
-            return (*restore_and_certify(ev.th, ev.g, red, gram=by_gram, sq_dists=sq), sq)
-        lagrangian_gap = primal_value(ev.th, red) - ev.g
-        sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
-        th, delta = restore_and_certify(ev.th, ev.g, red, gram=by_gram, sweeps=sweeps, sq_dists=sq)
-        return th, delta, sq
+    certify = functools.partial(_certify, red=red, tol=tol, gram=gram, low_rank=low_rank)
 
     def line_search(lam, ev, s, s_diag, running, evaluate):
         """Armijo search along the projected path of the Newton step ``s`` (31 halvings
@@ -192,6 +176,27 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     th, delta, _ = cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
+
+
+def _certify(ev, by_gram, *, red, tol, gram, low_rank):
+    """(feasible theta, certified gap, exact squared distances of ``ev.th`` or None) at an
+    evaluation, distances through the Gram matrix with ``by_gram``.
+
+    The shrink of theta(lam) pays for the worst violated pair on every pair; where the
+    Lagrangian part of the gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``,
+    violated pairs are first pulled together (``_SWEEPS`` sweeps; at n = 100 half the
+    iterations of a warm start). Only where the models span few dimensions (``low_rank``):
+    a sweep costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README).
+    Up to ``_GRAM_ABOVE`` clients (``gram`` False) the distances are exact and returned, so
+    that phase 1's certified evaluation of the same theta does not measure them again.
+    """
+    sq = None if (by_gram or gram) else sq_dists_exact(ev.th)
+    if not low_rank:
+        return (*restore_and_certify(ev.th, ev.g, red, gram=by_gram, sq_dists=sq), sq)
+    lagrangian_gap = primal_value(ev.th, red) - ev.g
+    sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
+    th, delta = restore_and_certify(ev.th, ev.g, red, gram=by_gram, sweeps=sweeps, sq_dists=sq)
+    return th, delta, sq
 
 
 def _low_rank(n, k):
