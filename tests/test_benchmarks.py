@@ -1,5 +1,7 @@
 """The benchmarks' own measuring tools."""
 
+import collections
+import contextlib
 import dataclasses
 
 import jax
@@ -87,3 +89,65 @@ def test_bench_projection_sweep_over_p_reports_quiet_and_loaded_calls():
         assert 0 < lo <= mid <= hi
     with pytest.raises(ValueError, match="parts must be among"):
         bp.main(["--quick", "--parts", "cvxpy,timing"])
+
+
+def test_bench_kernels_counts_loop_bodies_at_their_trips(monkeypatch):
+    # experiments.bench_kernels: a program with a data-dependent outer loop (x trips) and
+    # an inner loop of 3 trips per outer one. The launch count must be every computation's
+    # operations times the times it ran, from trips counted by the patched loops
+    # (here 4 and 12) and matched to the optimized program's loops by source line.
+    from experiments import bench_kernels as bk
+
+    monkeypatch.setattr(bk, "_LIBRARY", "/tests/")
+
+    def inner(c):
+        i, v = c
+        return i + 1, jnp.sin(v) * 2.0 + 1.0
+
+    def outer(c):
+        j, v = c
+        _, v = jax.lax.while_loop(lambda c: c[0] < 3, inner, (0, v))
+        return j + 1, jnp.cos(v) + v * v
+
+    def f(n, v):
+        return jax.lax.while_loop(lambda c: c[0] < n, outer, (0, v))[1]
+
+    args = (jnp.int32(4), jnp.ones((8,), jnp.float32))
+    counter, compiled = bk._TripCounter(), []
+    for patch in (contextlib.nullcontext(), counter):  # one line: the same source sites
+        jax.clear_caches()
+        with patch:
+            compiled.append(jax.jit(f).lower(*args).compile())
+    comps, entry = bk._parse_hlo(compiled[0].as_text())
+    counted = compiled[1]
+    for _ in range(2):
+        jax.block_until_ready(counted(*args))
+    trips = bk._collapse(counter.counts(), counter.traced, comps, rounds=2)
+    assert sorted(trips.values()) == [4.0, 12.0]
+
+    def ops(name):
+        return sum(op.opcode not in bk._FREE for op in comps[name])
+
+    # Runs of each computation, breadth first from the entry: a call runs its callee as
+    # often as itself; the outer loop's body 4 times and condition 5, the inner's 12 and
+    # 12 + 4 (the outer loop is the one whose condition reads the traced bound).
+    loops = [op for ops_ in comps.values() for op in ops_ if op.opcode == "while"]
+    assert len(loops) == 2
+    runs, todo = {entry: 1}, [entry]
+    while todo:
+        name = todo.pop()
+        for op in comps[name]:
+            if op.opcode == "call":
+                runs[op.calls["to_apply"][0]] = runs[name]
+                todo.append(op.calls["to_apply"][0])
+            elif op.opcode == "while":
+                body, cond = op.calls["body"][0], op.calls["condition"][0]
+                inner_loop = runs[name] > 1
+                runs[body] = 12 if inner_loop else 4
+                runs[cond] = 12 + 4 if inner_loop else 5
+                todo.append(body)
+    expected = sum(ops(name) * r for name, r in runs.items())
+    by_site, missing = collections.Counter(), set()
+    total = bk._launches(comps, entry, (), 1.0, trips, by_site, missing)
+    assert not missing and total == pytest.approx(expected)
+    assert sum(by_site.values()) == pytest.approx(total)
