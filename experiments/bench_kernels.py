@@ -579,7 +579,11 @@ def main(argv=None) -> None:
         "counted at their measured trips (mean over the window's rounds), a conditional at "
         "its largest branch. Sites: `file:line` of the innermost loop around the "
         "operations (`round`: outside every loop). Loops whose trips were not matched to a "
-        f"source line (counted at 0 unless XLA knows their trip count): {unmatched or 'none'}.\n",
+        f"source line (counted at 0 unless XLA knows their trip count): {unmatched or 'none'}. "
+        "Accelerator linalg: the same round compiled with the linear algebra the library "
+        "runs off the CPU (a Cholesky inverse and a LAPACK QR, one custom call each, "
+        "instead of the CPU's Gauss-Jordan and Householder loops); a library version "
+        "without per-platform linear algebra counts the same in both Karula columns.\n",
         (HEAD, lines),
     )
     publish(page, args.out, quick=args.quick)
