@@ -154,7 +154,11 @@ class _TripCounter:
 _BODY_KW = {"while_loop": "body_fun", "fori_loop": "body_fun", "scan": "f", "map": "f"}
 
 
-_LIBRARY = "/karula_jax/"
+# Frames in files under this folder are the library's (the package's own directory: a
+# checkout folder of the same name does not count).
+_LIBRARY = (
+    os.path.dirname(os.path.abspath(A.__file__)).rsplit(os.sep, 1)[0].replace(os.sep, "/") + "/"
+)
 
 
 def _dedupe(frames) -> tuple:
@@ -172,8 +176,8 @@ def _caller() -> tuple[tuple[str, int], ...]:
     as the program's source metadata records them."""
     out = []
     for frame in reversed(traceback.extract_stack()[:-2]):
-        path = frame.filename.replace(os.sep, "/")
-        if _LIBRARY in path:
+        path = os.path.abspath(frame.filename).replace(os.sep, "/")
+        if path.startswith(_LIBRARY):
             out.append((os.path.basename(path), int(frame.lineno)))
     return _dedupe(out)
 
@@ -204,7 +208,7 @@ def _frames(text: str) -> dict[int, tuple[tuple[str, int], ...]]:
             continue
         key, rest = int(m.group(1)), m.group(2)
         if table == "FileNames":
-            files[key] = rest.strip('"').replace(os.sep, "/")
+            files[key] = os.path.abspath(rest.strip('"')).replace(os.sep, "/")
         elif table == "FileLocations":
             f = re.search(r"file_name_id=(\d+)", rest)
             ln = re.search(r"\bline=(\d+)", rest)
@@ -219,7 +223,7 @@ def _frames(text: str) -> dict[int, tuple[tuple[str, int], ...]]:
         while frame in parents:
             loc, frame = parents[frame]
             path, line = files[locations[loc][0]], locations[loc][1]
-            if _LIBRARY in path:
+            if path.startswith(_LIBRARY):
                 out.append((os.path.basename(path), line))
         return _dedupe(out)
 
@@ -285,7 +289,10 @@ def _parse_op(line: str, frames: dict) -> _Op | None:
 
 
 def _name(site) -> str:
-    """``file:line`` of a site's innermost frame (``round``: outside every loop)."""
+    """``file:line`` of a site's innermost frame (``round``: outside every loop; a
+    ``"shared"`` mark from :func:`_launches` kept in front)."""
+    if site and site[0] == "shared":
+        return "shared " + _name(site[1:])
     return f"{site[0][0]}:{site[0][1]}" if site else "round"
 
 
@@ -313,9 +320,12 @@ def _collapse(counts, traced, comps, rounds) -> dict:
     return dict(out)
 
 
-def _launches(comps, name, path, execs, trips, by_site, missing):
+def _launches(comps, name, path, execs, trips, by_site, missing, seen=None):
     """Operations computation ``name`` executes, run ``execs`` times inside the loop nest
-    ``path``; loop bodies take ``trips[path + (site,)]`` (total per round)."""
+    ``path``; loop bodies take ``trips[path + (site,)]`` (total per round). ``missing``
+    collects loops without counted trips, and (marked ``"shared"``) loops whose nest
+    another loop of the program also has."""
+    seen = set() if seen is None else seen
     total = 0.0
     for op in comps[name]:
         if op.opcode in _FREE:
@@ -324,6 +334,9 @@ def _launches(comps, name, path, execs, trips, by_site, missing):
         by_site[path[-1] if path else ()] += execs
         if op.opcode == "while":
             key = (*path, op.site)
+            if key in seen:  # two loops of one nest share its trips: both get all of them
+                missing.add(("shared",) + op.site)
+            seen.add(key)
             if key in trips:
                 n = trips[key]
             elif op.known_trips is not None:
@@ -331,9 +344,9 @@ def _launches(comps, name, path, execs, trips, by_site, missing):
             else:
                 n = 0.0
                 missing.add(op.site)
-            total += _launches(comps, op.calls["body"][0], key, n, trips, by_site, missing)
+            total += _launches(comps, op.calls["body"][0], key, n, trips, by_site, missing, seen)
             total += _launches(
-                comps, op.calls["condition"][0], key, n + execs, trips, by_site, missing
+                comps, op.calls["condition"][0], key, n + execs, trips, by_site, missing, seen
             )
         elif op.opcode == "conditional":
             names = op.calls.get("branches") or [
@@ -343,12 +356,15 @@ def _launches(comps, name, path, execs, trips, by_site, missing):
             parts = []
             for b in names:
                 sub = collections.Counter()
-                parts.append((_launches(comps, b, path, execs, trips, sub, missing), sub))
+                own = set(seen)  # one branch runs: its loops do not share with another's
+                parts.append((_launches(comps, b, path, execs, trips, sub, missing, own), sub))
             best, sub = max(parts, key=lambda x: x[0])
             total += best
             by_site.update(sub)
         elif op.opcode == "call":
-            total += _launches(comps, op.calls["to_apply"][0], path, execs, trips, by_site, missing)
+            total += _launches(
+                comps, op.calls["to_apply"][0], path, execs, trips, by_site, missing, seen
+            )
     return total
 
 
@@ -501,8 +517,9 @@ def count(cfg: KernelConfig) -> list[dict]:
 # ---------------------------------------------------------------- the page
 
 HEAD = (
-    "n | window (rounds) | Karula projection iterations / round | FedAvg | Karula | ratio"
-    " | Karula, accelerator linalg | ratio | Karula's largest sites (launches / round)"
+    "n | window (rounds) | FedAvg | Karula | Newton iterations / round | ratio"
+    " | Karula, accelerator linalg | Newton iterations / round | ratio"
+    " | Karula's largest sites (launches / round)"
 )
 
 
@@ -515,9 +532,9 @@ def _rows(results, label=""):
             sites = ", ".join(f"{s} {v:,.0f}" for s, v in list(k["by_site"].items())[:4])
             lines.append(
                 f"{r['n']} | {label}{w} ({k['rounds'][0] + 1}-{k['rounds'][1]}) | "
-                f"{k['iterations']:.2f} | {f['launches']:,.0f} | {k['launches']:,.0f} | "
+                f"{f['launches']:,.0f} | {k['launches']:,.0f} | {k['iterations']:.2f} | "
                 f"{k['launches'] / f['launches']:.1f}x | {acc['launches']:,.0f} | "
-                f"{acc['launches'] / f['launches']:.1f}x | {sites}"
+                f"{acc['iterations']:.2f} | {acc['launches'] / f['launches']:.1f}x | {sites}"
             )
     return lines
 

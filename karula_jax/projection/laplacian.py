@@ -36,7 +36,7 @@ _ENTER = 0.25
 _ENTER_ALL_BELOW = 0.05
 # Step halvings of a line search along one direction.
 _HALVINGS = 31
-# Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
+# Sweeps of pull_violated before a certificate's shrink (see ``_certify``).
 _SWEEPS = 4
 # Times the step's face is refined (``_direction``): once cuts the Newton iterations at
 # n >= 100 as much, for the time, as twice, which lengthens some runs at n = 30
@@ -121,9 +121,8 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         certificates measuring distances exactly with ``exact_distances`` (else through
         the Gram matrix above ``_GRAM_ABOVE`` clients).
         ``start``: ``(theta, squared distances)`` of phase 0's last certificate at the same
-        ``lam``: its repaired theta is the first certificate's point, restored again
-        (exactly) only where phase 0 measured distances through the Gram matrix (above
-        ``_GRAM_ABOVE`` clients; else it is exactly feasible already)."""
+        ``lam``: its repaired theta, restored again by exact distances, is the first
+        certificate's point (the distances are those of ``ev.th``, carried along)."""
         by_gram = gram and not exact_distances
 
         def cond(c):
@@ -147,11 +146,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
         if start is None:
             cert = certify(ev, by_gram)
-        elif gram:
-            cert = (*restore_and_certify(start[0], ev.g, red), None)
-        else:
-            gap = jnp.maximum(primal_value(start[0], red) - ev.g, 0.0)
-            cert = (start[0], gap, start[1])
+        else:  # restored again, by exact distances: one shrink can leave rounding-level
+            # violations where rows are far longer than a radius (review of c69c703)
+            cert = (*restore_and_certify(start[0], ev.g, red), start[1])
         stop = should_stop(cert[1], red, tol) | stopped
         init = (lam, ev, cert, it, damping, stop, jnp.array(True))
         lam, ev, cert, it, damping, _, _ = jax.lax.while_loop(cond, body, init)
@@ -159,7 +156,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
     # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients), from
-    # phase 0's last evaluation recertified (no new inverse, its repaired theta reused and,
+    # phase 0's last evaluation recertified (no new inverse; its repaired theta reused and,
     # below ``_GRAM_ABOVE`` clients, the exact distances its certificate measured); it
     # iterates only where that misses ``tol`` (rare, float32 near ``tol``), so under vmap it
     # usually takes no trip, and its last certificate (exact distances) is the answer.

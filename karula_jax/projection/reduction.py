@@ -138,9 +138,13 @@ def restore(th, radius, *, gram=False, sq_dists=None):
     Distances from ``sq_dists`` where given (``sq_dists_exact(th)`` computed by the
     caller: the same bits), else measured here, through the Gram matrix with ``gram``.
 
-    The margin (4 eps of each radius) covers this function's own rounding; the caller's
-    final ``v + move`` in the original coordinates may add up to ``eps`` times a row's
-    norm, which the projection reports in ``max_violation`` rather than buys back with a
+    The margin (4 eps of each radius) covers the rounding of the distances and of the
+    ratio, not all of the product's: ``th * beta`` rounds each coordinate by up to ``eps``
+    of its size, which can exceed the margin where rows are much longer than a radius
+    (rows near 100, a radius near 1: violations up to about 2% of the radius after one
+    shrink, fewer and smaller after a second; found in review). The caller's final ``v +
+    move`` in the original coordinates adds up to ``eps`` times a row's norm likewise. The
+    projection reports what is left in ``max_violation`` rather than buys it back with a
     shrink (that would cost float32 its certificate at the default tolerance).
     """
     eps = jnp.finfo(th.dtype).eps
