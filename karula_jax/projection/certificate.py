@@ -47,30 +47,28 @@ def dual_eval(lam, red, *, gram, certify=False):
     return certified(lam, ev, red) if certify else ev
 
 
-def _at(lam, th, a_inv, gm, red, *, gram, sq_dists=None):
+def _at(lam, th, a_inv, gm, red, *, gram):
     """The :class:`DualEval` of ``theta(lam) = th``: ``g`` (uncertified) and its gradient
-    from the squared distances (through ``gm`` with ``gram``, else exact: ``sq_dists``
-    where the caller has ``sq_dists_exact(th)``)."""
+    from the squared distances (through ``gm`` with ``gram``, else exact)."""
     mask = dual_mask(red)
     if gram:
         sq = jnp.diag(gm)
         d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
     else:
-        d2 = sq_dists_exact(th) if sq_dists is None else sq_dists
+        d2 = sq_dists_exact(th)
     slack = jnp.where(mask, d2 - jnp.where(mask, red.radius, 0.0) ** 2, 0.0)
     g = primal_value(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
     return DualEval(th, g, 0.5 * slack, a_inv, gm)
 
 
-def certified(lam, ev, red, *, exact=False, sq_dists=None):
+def certified(lam, ev, red, *, exact=False):
     """``ev``, an evaluation ``dual_eval(lam, red, certify=False)``, with its ``g`` made a
     certified bound, as ``certify=True`` would have returned it: one ``[n, n] x [n, k]``
     product instead of a new evaluation (and its inverse). ``exact``: its distances (so
     ``g`` and the gradient) measured again by explicit differences, as ``gram=False``
-    would have, where ``ev`` took them from the Gram matrix (``sq_dists``: those
-    distances, ``sq_dists_exact(ev.th)``, where the caller has them)."""
+    would have, where ``ev`` took them from the Gram matrix."""
     if exact:
-        ev = _at(lam, ev.th, ev.a_inv, ev.gram, red, gram=False, sq_dists=sq_dists)
+        ev = _at(lam, ev.th, ev.a_inv, ev.gram, red, gram=False)
     return ev._replace(g=ev.g - _residual_term(_system(lam, red), ev.th, red))
 
 
@@ -91,17 +89,14 @@ def should_stop(delta, red, tol):
     return (delta <= tol * red.scale) | ~jnp.isfinite(delta)
 
 
-def restore_and_certify(th, g, red, *, gram=False, sweeps=0, sq_dists=None):
+def restore_and_certify(th, g, red, *, gram=False, sweeps=0):
     """(restored theta, certified suboptimality) for a primal iterate and a dual bound.
-
-    ``sq_dists``: ``sq_dists_exact(th)`` where the caller has it (the shrink then measures
-    nothing again; see :func:`~karula_jax.projection.reduction.restore`).
 
     With ``sweeps`` (a traced count, > 0 where wanted) the iterate is also repaired by
     :func:`~karula_jax.projection.reduction.pull_violated` before its shrink, and the
     feasible point with the smaller gap is kept; either is exactly feasible.
     """
-    shrunk = restore(th, red.radius, gram=gram, sq_dists=sq_dists)
+    shrunk = restore(th, red.radius, gram=gram)
     gap = primal_value(shrunk, red) - g
     if isinstance(sweeps, int) and sweeps == 0:
         return shrunk, jnp.maximum(gap, 0.0)

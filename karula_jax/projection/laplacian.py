@@ -16,7 +16,6 @@ from karula_jax.projection.certificate import (
     should_stop,
 )
 from karula_jax.projection.contract import ProjectionState, SolverResult
-from karula_jax.projection.reduction import sq_dists_exact
 
 __all__ = ["solve"]
 
@@ -36,7 +35,7 @@ _ENTER = 0.25
 _ENTER_ALL_BELOW = 0.05
 # Step halvings of a line search along one direction.
 _HALVINGS = 31
-# Sweeps of pull_violated before a certificate's shrink (see ``_certify``).
+# Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
 _SWEEPS = 4
 # Times the step's face is refined (``_direction``): once cuts the Newton iterations at
 # n >= 100 as much, for the time, as twice, which lengthens some runs at n = 30
@@ -77,7 +76,18 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     mask = dual_mask(red)
     lam0 = jnp.where(mask, jnp.maximum(_symmetric(warm.lam), 0.0), 0.0)
 
-    certify = functools.partial(_certify, red=red, tol=tol, gram=gram, low_rank=low_rank)
+    def certify(ev, gram):
+        """(feasible theta, certified gap) at an evaluation. The shrink of theta(lam)
+        pays for the worst violated pair on every pair; where the Lagrangian part of the
+        gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``, violated pairs
+        are first pulled together (``_SWEEPS`` sweeps; at n = 100 half the iterations of a
+        warm start). Only where the models span few dimensions (``_low_rank``): a sweep
+        costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README)."""
+        if not low_rank:
+            return restore_and_certify(ev.th, ev.g, red, gram=gram)
+        lagrangian_gap = primal_value(ev.th, red) - ev.g
+        sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
+        return restore_and_certify(ev.th, ev.g, red, gram=gram, sweeps=sweeps)
 
     def line_search(lam, ev, s, s_diag, running, evaluate):
         """Armijo search along the projected path of the Newton step ``s`` (31 halvings
@@ -117,12 +127,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         """Newton iterations from ``lam`` (``ev`` its evaluation, ``damping`` the
         Levenberg-Marquardt weight) until the certificate meets ``tol``, ``it`` reaches
         ``max_iter`` or a line search fails; returns ``(lam, ev, it, damping, (feasible
-        theta, certified gap, exact squared distances of ``ev.th`` or None))``, the
-        certificates measuring distances exactly with ``exact_distances`` (else through
-        the Gram matrix above ``_GRAM_ABOVE`` clients).
-        ``start``: ``(theta, squared distances)`` of phase 0's last certificate at the same
-        ``lam``: its repaired theta, restored again by exact distances, is the first
-        certificate's point (the distances are those of ``ev.th``, carried along)."""
+        theta, certified gap))``, the certificates measuring distances exactly with
+        ``exact_distances`` (else through the Gram matrix above ``_GRAM_ABOVE`` clients).
+        ``start``: the repaired theta of a certificate at the same ``lam`` (phase 0's
+        last): the first certificate only restores it (exactly)."""
         by_gram = gram and not exact_distances
 
         def cond(c):
@@ -139,16 +147,12 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             damping = _next_damping(damping, trials, ok)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
-            cert = certify(ev, by_gram)
+            th, delta = certify(ev, by_gram)
             # A failed line search means float precision is exhausted: stop there.
-            stop = should_stop(cert[1], red, tol) | ~ok
-            return lam, ev, cert, it + 1, damping, stop, ok
+            stop = should_stop(delta, red, tol) | ~ok
+            return lam, ev, (th, delta), it + 1, damping, stop, ok
 
-        if start is None:
-            cert = certify(ev, by_gram)
-        else:  # restored again, by exact distances: one shrink can leave rounding-level
-            # violations where rows are far longer than a radius (review of c69c703)
-            cert = (*restore_and_certify(start[0], ev.g, red), start[1])
+        cert = certify(ev, by_gram) if start is None else restore_and_certify(start, ev.g, red)
         stop = should_stop(cert[1], red, tol) | stopped
         init = (lam, ev, cert, it, damping, stop, jnp.array(True))
         lam, ev, cert, it, damping, _, _ = jax.lax.while_loop(cond, body, init)
@@ -156,8 +160,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
     # Phase 0: distances inside the evaluations from the Gram matrix (one product).
     # Phase 1: certified evaluations (exact distances below ``_GRAM_ABOVE`` clients), from
-    # phase 0's last evaluation recertified (no new inverse; its repaired theta reused and,
-    # below ``_GRAM_ABOVE`` clients, the exact distances its certificate measured); it
+    # phase 0's last evaluation recertified (no new inverse, its repaired theta reused); it
     # iterates only where that misses ``tol`` (rare, float32 near ``tol``), so under vmap it
     # usually takes no trip, and its last certificate (exact distances) is the answer.
     # Two loops written out, not a loop over phases: that put a ``lax.cond`` around every
@@ -167,33 +170,12 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
     ev = fast(lam0)
     damping = jnp.zeros((), red.w.dtype)
-    lam, ev, it, damping, (th0, _, sq0) = ascend(lam0, ev, jnp.int32(0), damping, skip, fast, False)
-    ev = certified(lam, ev, red, exact=not gram, sq_dists=sq0)
-    lam, ev, it, _, cert = ascend(lam, ev, it, damping, skip, exact, True, start=(th0, sq0))
-    th, delta, _ = cert
+    lam, ev, it, damping, (th0, _) = ascend(lam0, ev, jnp.int32(0), damping, skip, fast, False)
+    ev = certified(lam, ev, red, exact=not gram)
+    lam, ev, it, _, cert = ascend(lam, ev, it, damping, skip, exact, True, start=th0)
+    th, delta = cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
-
-
-def _certify(ev, by_gram, *, red, tol, gram, low_rank):
-    """(feasible theta, certified gap, exact squared distances of ``ev.th`` or None) at an
-    evaluation, distances through the Gram matrix with ``by_gram``.
-
-    The shrink of theta(lam) pays for the worst violated pair on every pair; where the
-    Lagrangian part of the gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``,
-    violated pairs are first pulled together (``_SWEEPS`` sweeps; at n = 100 half the
-    iterations of a warm start). Only where the models span few dimensions (``low_rank``):
-    a sweep costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README).
-    Up to ``_GRAM_ABOVE`` clients (``gram`` False) the distances are exact and returned, so
-    that phase 1's certified evaluation of the same theta does not measure them again.
-    """
-    sq = None if (by_gram or gram) else sq_dists_exact(ev.th)
-    if not low_rank:
-        return (*restore_and_certify(ev.th, ev.g, red, gram=by_gram, sq_dists=sq), sq)
-    lagrangian_gap = primal_value(ev.th, red) - ev.g
-    sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
-    th, delta = restore_and_certify(ev.th, ev.g, red, gram=by_gram, sweeps=sweeps, sq_dists=sq)
-    return th, delta, sq
 
 
 def _low_rank(n, k):

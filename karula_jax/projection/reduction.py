@@ -132,25 +132,20 @@ def pull_violated(th, radius, mass, sweeps):
     return jax.lax.fori_loop(0, sweeps, sweep, th)
 
 
-def restore(th, radius, *, gram=False, sq_dists=None):
+def restore(th, radius, *, gram=False):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds.
-
-    Distances from ``sq_dists`` where given (``sq_dists_exact(th)`` computed by the
-    caller: the same bits), else measured here, through the Gram matrix with ``gram``.
 
     The margin (4 eps of each radius) covers the rounding of the distances and of the
     ratio, not all of the product's: ``th * beta`` rounds each coordinate by up to ``eps``
     of its size, which can exceed the margin where rows are much longer than a radius
-    (rows near 100, a radius near 1: violations up to about 2% of the radius after one
-    shrink, fewer and smaller after a second; found in review). The caller's final ``v +
+    (float32 rows near 100 and a small radius in a review's test: violations up to about
+    2% of that radius after one shrink, fewer and smaller after a second). The caller's final ``v +
     move`` in the original coordinates adds up to ``eps`` times a row's norm likewise. The
     projection reports what is left in ``max_violation`` rather than buys it back with a
     shrink (that would cost float32 its certificate at the default tolerance).
     """
     eps = jnp.finfo(th.dtype).eps
-    if sq_dists is None:
-        sq_dists = sq_dists_gram(th) if gram else sq_dists_exact(th)
-    d = jnp.sqrt(sq_dists)
+    d = jnp.sqrt(sq_dists_gram(th) if gram else sq_dists_exact(th))
     ok = jnp.isfinite(radius) & (d > 0)
     ratio = jnp.where(ok, radius * (1.0 - 4.0 * eps) / jnp.where(ok, d, 1.0), jnp.inf)
     beta = jnp.minimum(1.0, jnp.min(ratio))
