@@ -14,11 +14,13 @@ largest branch (an upper bound where the screen answers a projection).
 
 Command: ``python -m experiments.bench_kernels [--FIELD VALUE ...] [--out FILE]`` writes
 ``runs/bench/kernels.md`` (``--out results/bench/kernels.md`` refreshes the committed page).
-``--counts-only FILE.json`` writes the raw counts and imports nothing but the library's
-oldest public API (``karula_jax.data.synthetic_ridge``, ``karula_jax.algorithms.karula`` /
-``fedavg``, ``karula_jax.models.ridge_loss``), so that the same script counts an older
-commit's solver: run it by path with ``PYTHONPATH`` set to that commit's tree, then pass the
-file as ``--before FILE.json`` (and ``--before-label``) to put its counts beside.
+``--counts-only FILE.json`` writes the raw counts and imports nothing but public API the
+library already had on 2026-11-26 (``data.synthetic_ridge``, ``algorithms.karula`` /
+``fedavg``, ``models.ridge_loss``, ``evaluation.ridge_solutions`` /
+``pairwise_sq_distances``, ``protocol.smoothness_constants`` / ``stack_datasets``), so
+that the same script counts an older commit's solver: run it by path with ``PYTHONPATH``
+set to that commit's tree, then pass the file as ``--before FILE.json`` (and
+``--before-label``) to put its counts beside.
 Runtime: about 2 minutes on 2 CPU cores.
 """
 
@@ -39,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax import algorithms as A
+from karula_jax import evaluation as ev
+from karula_jax import protocol
 from karula_jax.data import synthetic_ridge
 from karula_jax.models import ridge_loss
 
@@ -89,7 +93,13 @@ _FREE = {
     "add-dependency",
     "opt-barrier",
 }
-_LOOPS = ("while_loop", "fori_loop", "scan", "map")
+# The patched loops: where each takes its body (positional index, keyword).
+_BODY = {
+    "while_loop": (1, "body_fun"),
+    "fori_loop": (2, "body_fun"),
+    "scan": (0, "f"),
+    "map": (0, "f"),
+}
 
 
 # ---------------------------------------------------------------- trip counting
@@ -107,7 +117,7 @@ class _TripCounter:
         self.traced: set = set()  # every loop nest traced, also those that never run
 
     def __enter__(self):
-        for name in _LOOPS:
+        for name in _BODY:
             self._saved[name] = getattr(jax.lax, name)
             setattr(jax.lax, name, self._wrap(name, self._saved[name]))
         return self
@@ -125,14 +135,14 @@ class _TripCounter:
         self._trips.clear()
 
     def _wrap(self, name, loop):
-        body_at = {"while_loop": 1, "fori_loop": 2, "scan": 0, "map": 0}[name]
+        body_at, body_kw = _BODY[name]
 
         def patched(*args, **kwargs):
             site = _caller()
             key = (*self._stack, site)
             self.traced.add(key)
             args = list(args)
-            body = args[body_at] if len(args) > body_at else kwargs[_BODY_KW[name]]
+            body = args[body_at] if len(args) > body_at else kwargs[body_kw]
 
             def counted(*a):
                 self._stack.append(site)
@@ -145,13 +155,10 @@ class _TripCounter:
             if len(args) > body_at:
                 args[body_at] = counted
             else:
-                kwargs[_BODY_KW[name]] = counted
+                kwargs[body_kw] = counted
             return loop(*args, **kwargs)
 
         return patched
-
-
-_BODY_KW = {"while_loop": "body_fun", "fori_loop": "body_fun", "scan": "f", "map": "f"}
 
 
 # Frames in files under this folder are the library's (the package's own directory: a
@@ -372,19 +379,15 @@ def _launches(comps, name, path, execs, trips, by_site, missing, seen=None):
 
 
 def _workload(cfg: KernelConfig, n: int):
-    """The synthetic study's ridge clients (seed 0), D between exact local ridge fits."""
+    """The synthetic study's ridge clients (seed 0), D between exact local ridge fits
+    (:func:`karula_jax.evaluation.ridge_solutions`), divided by its mean off-diagonal
+    entry, and Karula's step ``rate_karula / L_f`` (the study's rule,
+    :func:`karula_jax.protocol.smoothness_constants`)."""
     data = synthetic_ridge(0, num_clients=n, dim=cfg.dim).train
-    x, y, counts = np.asarray(data.x, np.float64), np.asarray(data.y, np.float64), data.counts
-    fits = []
-    for i in range(n):
-        xi, yi = x[i, : int(counts[i])], y[i, : int(counts[i])]
-        gram = xi.T @ xi / len(yi) + cfg.lam * np.eye(cfg.dim)
-        fits.append(np.linalg.solve(gram, xi.T @ yi / len(yi)))
-    fits = np.asarray(fits)
-    D = np.sum((fits[:, None] - fits[None]) ** 2, axis=-1)
-    off = ~np.eye(n, dtype=bool)
-    D = D / np.mean(D[off])
-    return data, jnp.asarray(D, jnp.float32)
+    D = ev.pairwise_sq_distances(ev.ridge_solutions(data, cfg.lam)[0])
+    D = D / np.mean(D[~np.eye(n, dtype=bool)])  # (no protocol.mean_normalized in d97f750)
+    L_f = protocol.smoothness_constants(protocol.stack_datasets([data]), cfg.lam)[0][0]
+    return data, jnp.asarray(D, jnp.float32), cfg.rate_karula / float(L_f)
 
 
 def _compile(fn, *args):
@@ -418,19 +421,6 @@ def _accelerator_linalg():
         yield
     finally:
         _linalg._per_platform = per_platform
-
-
-def _study_step(cfg: KernelConfig, data) -> float:
-    """The synthetic study's Karula step ``rate_karula / L_f``, ``L_f = max_i alpha_i L_i
-    / n`` with ridge ``L_i = lambda_max(X_i^T X_i / N_i) + lam`` and ``alpha_i`` the
-    clients' sizes over their mean."""
-    counts = np.asarray(data.counts)
-    L = []
-    for i, x in enumerate(np.asarray(data.x, np.float64)):
-        xi = x[: int(counts[i])]
-        L.append(np.linalg.eigvalsh(xi.T @ xi / len(xi))[-1] + cfg.lam)
-    alpha = counts / counts.mean()
-    return cfg.rate_karula / (np.max(alpha * np.asarray(L)) / len(counts))
 
 
 def _count_method(cfg, make, params, data, windows, patch=contextlib.nullcontext):
@@ -473,11 +463,10 @@ def _count_method(cfg, make, params, data, windows, patch=contextlib.nullcontext
 def count_size(cfg: KernelConfig, n: int) -> dict:
     """Per-round launch counts of FedAvg and Karula at ``n`` clients, per window; Karula
     also with the accelerators' linear algebra (``"Karula, accelerator linalg"``)."""
-    data, D = _workload(cfg, n)
+    data, D, step = _workload(cfg, n)
     s, batch = max(1, n // 3), int(data.x.shape[1])
     params = jnp.zeros((cfg.dim,), jnp.float32)
     loss = ridge_loss(cfg.lam)
-    step = float(_study_step(cfg, data))
 
     def karula():
         return A.karula(
