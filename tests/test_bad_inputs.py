@@ -851,6 +851,21 @@ def test_traced_checks_match_the_concrete_ones():
     cases = [  # (D, t, learning_rate) of member 1, concrete message, traced message
         (-D, 1.0, 0.1, "D must be >= 0", "dissimilarity D has negative entries"),
         (D.at[0, 1].set(3.0), 1.0, 0.1, "D must be symmetric", "dissimilarity D is not symmetric"),
+        # inf facing 0 (or any finite entry) is asymmetric: it once passed and tied the pair
+        (
+            D.at[0, 1].set(jnp.inf).at[1, 0].set(0.0),
+            1.0,
+            0.1,
+            r"D must be symmetric: D\[0, 1\] = inf",
+            "dissimilarity D is not symmetric",
+        ),
+        (
+            D.at[0, 1].set(jnp.inf).at[1, 0].set(1e-7),
+            1.0,
+            0.1,
+            "D must be symmetric",
+            "dissimilarity D is not symmetric",
+        ),
         (D, 1.0, float("inf"), "learning_rate must be finite", "learning_rate is infinite"),
         (D, 1.0, -0.1, "learning_rate must be finite and >= 0", "learning_rate is negative"),
         (D, float("nan"), 0.1, "t must be", "t is NaN"),

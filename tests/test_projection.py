@@ -838,3 +838,93 @@ def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
         residual = np.asarray(ev.grad) - np.asarray(laplacian._hvp(ev, mask, jnp.asarray(s)))
         scale = np.abs(np.asarray(ev.grad)[mask]).max()
         assert np.abs(residual[free]).max() <= 1e-8 * scale
+
+
+_V3 = jnp.array([[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
+_R3 = jnp.array([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "case, radii_sq",
+    [
+        ("NaN pair", _R3.at[0, 1].set(jnp.nan).at[1, 0].set(jnp.nan)),
+        ("NaN diagonal", _R3.at[2, 2].set(jnp.nan)),
+        ("negative pair", _R3.at[0, 1].set(-1.0).at[1, 0].set(-1.0)),
+        ("asymmetric", _R3.at[0, 1].set(4.0)),
+        ("inf facing a finite radius", _R3.at[0, 1].set(jnp.inf)),
+    ],
+)
+@pytest.mark.parametrize("method", ["dykstra", "laplacian"])
+def test_traced_radii_the_checks_refuse_are_never_certified(case, radii_sq, method):
+    """Radii that raise when concrete, arriving traced (jit, or one member of a vmap), give
+    NaN models and an unconverged report with a NaN gap; the other members are untouched."""
+    with pytest.raises(ValueError, match="radii_sq"):
+        proj.project(_V3, radii_sq, method=method)
+    th, info = jax.jit(lambda r: proj.project(_V3, r, method=method))(radii_sq)
+    assert np.isnan(np.asarray(th)).all(), case
+    assert not bool(info.converged) and np.isnan(float(info.delta)), case
+    batch = jnp.stack([_R3, radii_sq, 2.0 * _R3])
+    th_b, info_b = jax.vmap(lambda r: proj.project(_V3, r, method=method))(batch)
+    assert np.asarray(info_b.converged).tolist() == [True, False, True], case
+    for k, r in ((0, _R3), (2, 2.0 * _R3)):
+        alone, _ = proj.project(_V3, r, method=method)
+        np.testing.assert_allclose(th_b[k], alone, atol=1e-5)
+
+
+def test_traced_valid_radii_and_options_stay_certified():
+    """No false alarm: inf facing inf, a relative asymmetry below 1e-6, a zero radius and
+    a traced tol in range give the concrete call's answer."""
+    r = _R3.at[0, 2].set(jnp.inf).at[2, 0].set(jnp.inf).at[1, 2].set(0.0).at[2, 1].set(0.0)
+    r = r.at[0, 1].set(1.0 + 1e-7)
+    want, _ = proj.project(_V3, r, method="laplacian")
+    run = jax.jit(lambda r, t: proj.project(_V3, r, method="laplacian", tol=t))
+    th, info = run(r, 1e-6)
+    assert bool(info.converged)
+    np.testing.assert_allclose(th, want, atol=1e-6)
+
+
+def test_traced_bad_tol_or_shared_leaf_are_never_certified():
+    """A traced tol <= 0 or NaN, or a NaN in a shared leaf: NaN in every floating leaf and
+    an unconverged report (the eager checks raise for these)."""
+    run = jax.jit(lambda t: proj.project(_V3, _R3, method="laplacian", tol=t))
+    for tol in (-1.0, 0.0, float("nan")):
+        th, info = run(tol)
+        assert np.isnan(np.asarray(th)).all() and not bool(info.converged), tol
+    tree = {"a": _V3, "s": jnp.array([[1.0], [jnp.nan], [2.0]])}
+    mask = {"a": True, "s": False}
+    with pytest.raises(ValueError, match="NaN or inf"):
+        proj.project(tree, _R3, personalized=mask)
+    out, info = jax.jit(lambda t: proj.project(t, _R3, personalized=mask))(tree)
+    assert np.isnan(np.asarray(out["s"])).all() and np.isnan(np.asarray(out["a"])).all()
+    assert not bool(info.converged) and np.isnan(float(info.delta))
+
+
+@pytest.mark.parametrize("method", ["dykstra", "laplacian"])
+def test_non_finite_warm_start_is_refused_or_read_as_cold(method):
+    """A concrete warm start with NaN/inf is refused naming it; a traced one starts cold
+    where it is not finite, with the cold start's answer."""
+    state = proj.project(_V3, _R3, method=method)[1].state
+    bad = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), state)
+    with pytest.raises(ValueError, match="warm_start.lam contains NaN"):
+        proj.project(_V3, _R3, method=method, warm_start=bad)
+    run = jax.jit(lambda ws: proj.project(_V3, _R3, method=method, warm_start=ws))
+    th, info = run(bad)
+    cold, _ = run(jax.tree.map(jnp.zeros_like, state))
+    assert bool(info.converged)
+    np.testing.assert_array_equal(th, cold)
+
+
+@pytest.mark.parametrize("radius_sq", [1e-14, 1e-20])
+def test_dykstra_certificate_stays_finite_below_float_resolution(radius_sq):
+    """Radii far below float32's resolution of the data: Dykstra's multipliers, read off its
+    increments, once made M + L singular in float32 and the certificate NaN. Capped, the
+    gap is a finite upper bound on the true one (the optimum is the mean to within the
+    radii), and the point is feasible to float32's resolution."""
+    v = jnp.array([[0.0, 0.0], [0.0, 0.3], [5.0, 0.0], [0.0, 5.0]])
+    th, info = proj.project(v, jnp.full((4, 4), radius_sq), method="dykstra")
+    assert np.isfinite(float(info.delta)) and np.isfinite(float(info.rel_delta))
+    vv, tt = np.asarray(v, np.float64), np.asarray(th, np.float64)
+    mean = vv.mean(0)
+    true_gap = 0.5 * np.sum((tt - vv) ** 2) - 0.5 * np.sum((mean - vv) ** 2)
+    assert float(info.delta) >= true_gap - 1e-5
+    assert float(info.max_violation) <= 1e-5

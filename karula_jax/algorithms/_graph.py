@@ -22,10 +22,14 @@ def check_dissimilarity(D) -> None:
         d = jnp.asarray(D)
         defer("dissimilarity D contains NaN", jnp.all(~jnp.isnan(d)))
         defer("dissimilarity D has negative entries (it must be >= 0)", jnp.all(~(d < 0)))
-        finite = lambda a: jnp.where(jnp.isinf(a), 0, a)
+        # inf only against inf: an inf facing a finite entry is asymmetric, however
+        # small that entry (inf against 0 would otherwise tie the two clients)
+        inf = jnp.isinf(d) | jnp.isinf(d.T)
+        finite = lambda a: jnp.where(inf, 0, a)
         close = jnp.abs(finite(d) - finite(d.T)) <= 1e-6 + 1e-5 * jnp.abs(finite(d.T))
+        close = jnp.where(inf, d == d.T, close)
         nan = jnp.isnan(d) | jnp.isnan(d.T)  # reported as NaN above
-        defer("dissimilarity D is not symmetric", jnp.all((d == d.T) | close | nan))
+        defer("dissimilarity D is not symmetric", jnp.all(close | nan))
         return
     if d.ndim != 2 or d.shape[0] != d.shape[1]:
         raise ValueError(f"D must be a square matrix of shape [n, n], got shape {d.shape}")
@@ -33,9 +37,13 @@ def check_dissimilarity(D) -> None:
         raise ValueError("D must not contain NaN")
     if np.any(d < 0):
         raise ValueError(f"D must be >= 0 (inf allowed), found minimum {d.min()}")
-    if not np.array_equal(d, d.T) and not np.allclose(
-        np.where(np.isinf(d), 0, d), np.where(np.isinf(d.T), 0, d.T), rtol=1e-5, atol=1e-6
-    ):
+    inf = np.isinf(d) | np.isinf(d.T)
+    if np.any(inf & (d != d.T)):
+        i, j = np.argwhere(inf & (d != d.T))[0]
+        raise ValueError(
+            f"D must be symmetric: D[{i}, {j}] = {d[i, j]} but D[{j}, {i}] = {d[j, i]}"
+        )
+    if not np.allclose(np.where(inf, 0, d), np.where(inf, 0, d.T), rtol=1e-5, atol=1e-6):
         raise ValueError("D must be symmetric")
 
 

@@ -227,10 +227,13 @@ def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     dtype = x.dtype
     solver = SOLVERS[method]
     red = reduce_problem(x, radii_sq, rotate=solver.rotate(n, p))
-    pair_dual = state.pair_dual.astype(dtype)
+    # A warm start is a hint: non-finite entries (a traced state from a failed call) start
+    # those pairs cold instead of spoiling the solve.
+    finite = lambda a: jnp.where(jnp.isfinite(a), a, 0.0).astype(dtype)
+    pair_dual = finite(state.pair_dual)
     if red.basis is not None:
         pair_dual = pair_dual @ red.basis
-    warm = ProjectionState(lam=state.lam.astype(dtype), pair_dual=pair_dual)
+    warm = ProjectionState(lam=finite(state.lam), pair_dual=pair_dual)
     res = solver.solve(red, warm, tol=tol, max_iter=max_iter, skip=skip)
     th, lam, delta, it, done = res.theta, res.state.lam, res.gap, res.iterations, res.converged
     pair_dual = res.state.pair_dual
@@ -390,6 +393,58 @@ def _check_radii(radii_sq, n: int) -> None:
         raise ValueError("radii_sq: expected a symmetric matrix (radii_sq == radii_sq.T)")
 
 
+def _radii_ok(radii_sq):
+    """Traced twin of :func:`_check_radii`'s value checks: a bool, True when ``radii_sq``
+    has no NaN, no negative entry off the diagonal and is symmetric (inf facing inf, finite
+    entries within ``1e-6`` relative)."""
+    r = jnp.asarray(radii_sq)
+    r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+    off = ~jnp.eye(r.shape[0], dtype=bool)
+    fin = jnp.isfinite(r) & jnp.isfinite(r.T)
+    rf = jnp.where(fin, r, 0.0)
+    sym = (jnp.isinf(r) == jnp.isinf(r.T)) & (
+        jnp.abs(rf - rf.T) <= 1e-6 * jnp.maximum(jnp.abs(rf), jnp.abs(rf.T))
+    )
+    return ~jnp.any(jnp.isnan(r)) & jnp.all(~off | ((r >= 0) & sym))
+
+
+def _traced_inputs_ok(radii_sq, shared, tol):
+    """None when ``radii_sq``, the ``shared`` leaves and ``tol`` are all concrete (their
+    checks ran eagerly; ``max_iter`` must be), else a traced bool, False when one of the traced
+    ones fails what the eager checks demand (the personalized leaves' NaN/inf the solver
+    reports itself)."""
+    ok = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if not is_concrete(radii_sq):
+        ok = both(ok, _radii_ok(radii_sq))
+    for x in shared:
+        if not is_concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            ok = both(ok, jnp.all(jnp.isfinite(x)))
+    if not is_concrete(tol):
+        ok = both(ok, jnp.isfinite(tol) & (tol > 0))
+    return ok
+
+
+def _invalidated(out, info, ok):
+    """``out`` (leaves) and ``info`` as they are where ``ok``, else every floating leaf NaN
+    and the report unconverged with a NaN gap: an input that the eager checks would have
+    refused, arriving traced, is never answered with a certified point."""
+    if ok is None:
+        return out, info
+    nan = lambda a: jnp.where(ok, a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.inexact) else a
+    info = info._replace(
+        delta=nan(info.delta),
+        rel_delta=nan(info.rel_delta),
+        max_violation=nan(info.max_violation),
+        rel_violation=nan(info.rel_violation),
+        converged=info.converged & ok,
+    )
+    return [nan(jnp.asarray(a)) for a in out], info
+
+
 def _check_options(method, tol, max_iter) -> None:
     if method not in _methods():
         raise ValueError(f"method: expected one of {_methods()}, got {method!r}")
@@ -444,8 +499,12 @@ def project(
 
     Works under ``jit``, ``vmap`` (on the CPU the members are solved in turn) and ``lax.scan``
     with traced ``v``, ``radii_sq`` and ``warm_start``; ``method``, ``tol`` and ``max_iter``
-    are static. Value checks run only on concrete inputs; under tracing a NaN/inf in ``v``
-    ends the solver at once with ``info.converged = False`` and a NaN ``delta``.
+    are static. Value checks raise on concrete inputs. Under tracing, a NaN/inf in a
+    personalized leaf of ``v`` ends the solver at once with ``info.converged = False`` and
+    a NaN ``delta``; radii the checks would refuse (NaN, negative, asymmetric), a NaN/inf
+    in a shared leaf or a traced ``tol`` that is not finite and positive make every floating leaf
+    of the result NaN, with ``info.converged = False`` and a NaN ``delta``; non-finite
+    entries of a traced ``warm_start`` are read as 0 (a cold start there).
 
     Dtypes: solved in the widest dtype of the personalized leaves, at least float32
     (float16/bfloat16 leaves are promoted, then rounded back, and ``info.max_violation``
@@ -479,7 +538,7 @@ def project(
     Raises:
       ValueError: bad shapes, no clients, NaN/inf in a concrete ``v``,
         negative/NaN/asymmetric radii, mask structure mismatch, unknown method, bad
-        ``tol``/``max_iter`` or a ``warm_start`` of the wrong shape.
+        ``tol``/``max_iter`` or a ``warm_start`` of the wrong shape or with NaN/inf.
       TypeError: complex or non-numeric leaves in ``v``, non-bool mask leaves.
     """
     _check_options(method, tol, max_iter)
@@ -514,12 +573,21 @@ def project(
                 f"warm_start: expected a ProjectionState with shapes {want} "
                 f"(method={method!r}), got {got}"
             )
+        for name, a in zip(ProjectionState._fields, warm_start, strict=True):
+            if is_concrete(a) and not np.isfinite(np.asarray(a)).all():
+                raise ValueError(
+                    f"warm_start.{name} contains NaN or inf; expected the finite state of an "
+                    "earlier projection (info.state), or None for a cold start"
+                )
         state = warm_start
+    shared = [x for x, m in zip(leaves, mask, strict=True) if not m]
+    ok = _traced_inputs_ok(radii_sq, shared, tol)
     if not pers or p == 0 or n == 1:
         for idx, (x, m) in enumerate(zip(leaves, mask, strict=True)):
             if m:
                 out[idx] = jnp.asarray(x).astype(_out_dtype(x))
-        return jax.tree.unflatten(treedef, out), _exact_info(dtype, state)
+        out, info = _invalidated(out, _exact_info(dtype, state), ok)
+        return jax.tree.unflatten(treedef, out), info
     flat = jnp.concatenate([jnp.reshape(x, (n, -1)).astype(dtype) for x in pers], axis=1)
     theta, info = _project_flat(
         flat,
@@ -543,4 +611,5 @@ def project(
         )
         viol, rel_viol = jax.jit(_violation)(narrow, jnp.asarray(radii_sq))
         info = info._replace(max_violation=viol, rel_violation=rel_viol)
+    out, info = _invalidated(out, info, ok)
     return jax.tree.unflatten(treedef, out), info

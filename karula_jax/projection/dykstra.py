@@ -81,6 +81,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     rp = red.radius[pi, pj]
     mi, mj = red.mass[pi], red.mass[pj]
     q0 = jnp.where(jnp.isfinite(rp)[:, None], q0, 0.0)
+    lam_cap = jnp.min(red.mass) / (8 * n * jnp.finfo(red.w.dtype).eps)
 
     def theta_of(q):
         acc = jax.ops.segment_sum(mj[:, None] * q, pi, n)
@@ -124,6 +125,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         d2 = jnp.sum(d * d, axis=-1)
         val = mi * mj * jnp.sum(q * d, axis=-1) / jnp.where(d2 > 0, d2, 1.0)
         val = jnp.where(jnp.isfinite(rp) & (d2 > 0), jnp.maximum(val, 0.0), 0.0)
+        # Any lam >= 0 gives a valid bound, but one beyond lam_cap makes M + L_lam singular
+        # in this float type (m_i + sum_j lam_ij rounds to sum_j lam_ij): radii below the
+        # data's float resolution read off such multipliers, and the bound came out NaN.
+        val = jnp.where(jnp.isfinite(val), jnp.minimum(val, lam_cap), 0.0)
         lam = jnp.zeros((n, n), red.w.dtype).at[pi, pj].set(val)
         return lam + lam.T
 
