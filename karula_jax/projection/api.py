@@ -445,6 +445,27 @@ def _invalidated(out, info, ok):
     return [nan(jnp.asarray(a)) for a in out], info
 
 
+def _warm_state(warm_start, zero_state, method):
+    """``warm_start`` checked against the state ``method`` carries (``zero_state``'s
+    shapes, finite where concrete), or ``zero_state`` for None."""
+    if warm_start is None:
+        return zero_state
+    want = jax.tree.map(jnp.shape, zero_state)
+    got = jax.tree.map(jnp.shape, warm_start)
+    if not isinstance(warm_start, ProjectionState) or want != got:
+        raise ValueError(
+            f"warm_start: expected a ProjectionState with shapes {want} "
+            f"(method={method!r}), got {got}"
+        )
+    for name, a in zip(ProjectionState._fields, warm_start, strict=True):
+        if is_concrete(a) and not np.isfinite(np.asarray(a)).all():
+            raise ValueError(
+                f"warm_start.{name} contains NaN or inf; expected the finite state of an "
+                "earlier projection (info.state), or None for a cold start"
+            )
+    return warm_start
+
+
 def _check_options(method, tol, max_iter) -> None:
     if method not in _methods():
         raise ValueError(f"method: expected one of {_methods()}, got {method!r}")
@@ -563,23 +584,7 @@ def project(
         if not ok:
             raise ValueError(f"warm_start: expected None or a ProjectionState with lam [{n}, {n}]")
         return v, _exact_info(dtype, zero_state if warm_start is None else warm_start)
-    if warm_start is None:
-        state = zero_state
-    else:
-        want = jax.tree.map(jnp.shape, zero_state)
-        got = jax.tree.map(jnp.shape, warm_start)
-        if not isinstance(warm_start, ProjectionState) or want != got:
-            raise ValueError(
-                f"warm_start: expected a ProjectionState with shapes {want} "
-                f"(method={method!r}), got {got}"
-            )
-        for name, a in zip(ProjectionState._fields, warm_start, strict=True):
-            if is_concrete(a) and not np.isfinite(np.asarray(a)).all():
-                raise ValueError(
-                    f"warm_start.{name} contains NaN or inf; expected the finite state of an "
-                    "earlier projection (info.state), or None for a cold start"
-                )
-        state = warm_start
+    state = _warm_state(warm_start, zero_state, method)
     shared = [x for x, m in zip(leaves, mask, strict=True) if not m]
     ok = _traced_inputs_ok(radii_sq, shared, tol)
     if not pers or p == 0 or n == 1:
