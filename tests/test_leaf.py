@@ -314,3 +314,26 @@ def test_femnist_default_is_first_30_eligible(shared_data_dir, femnist_all):
         np.testing.assert_allclose(
             np.asarray(picked.train.x[i, :n]), 1.0 - np.asarray(femnist_all.train.x[j, :n])
         )
+
+
+def test_writer_in_two_test_files_is_refused(tmp_path):
+    """Another writer's layout: a writer's test rows split over two test shards. LEAF keeps
+    them in the test file of the writer's training shard; rows elsewhere were dropped
+    without a word, now the load names both files."""
+    rng = np.random.default_rng(1)
+    train = {0: {"u1": _writer(rng, [1, 2, 3])}, 1: {"u2": _writer(rng, [4, 5, 6])}}
+    test = {
+        0: {"u1": _writer(rng, [1]), "u2": _writer(rng, [4])},
+        1: {"u2": _writer(rng, [5, 6])},
+    }
+    _write_leaf(tmp_path, train, test)
+    with pytest.raises(ValueError, match=r"writer 'u2' appears in both .*_0_.*test.* and .*_1_"):
+        load_leaf(tmp_path, num_clients=2, min_samples=1, seed=0)
+
+
+def test_numpy_integer_counts_are_accepted(small_leaf):
+    root, _, _ = small_leaf
+    a = load_leaf(root, num_clients=np.int64(2), min_samples=np.int32(2), seed=np.int64(1))
+    b = load_leaf(root, num_clients=2, min_samples=2, seed=1)
+    assert a.writers == b.writers
+    np.testing.assert_array_equal(a.train.x, b.train.x)

@@ -110,6 +110,17 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
         raise ValueError(
             f"{path}: 'users' has {len(users)} entries but 'num_samples' has {len(num_samples)}"
         )
+    for user, count in zip(users, num_samples, strict=True):
+        if not isinstance(user, str):
+            raise ValueError(
+                f"{path}: 'users' must hold writer ids as strings (the keys of 'user_data' "
+                f"are JSON strings), got {user!r} ({type(user).__name__})"
+            )
+        if type(count) is not int or count < 0:
+            raise ValueError(
+                f"{path}: 'num_samples' must hold non-negative integers, got {count!r} "
+                f"({type(count).__name__}) for writer '{user}'"
+            )
     if len(set(users)) != len(users):
         raise ValueError(f"{path}: 'users' lists a writer more than once")
     out = {}
@@ -139,6 +150,12 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
         except OverflowError as e:
             raise ValueError(f"{where}['y'] holds a label too large for int64 ({e})") from e
         out[user] = (x, labels)
+    unlisted = [u for u in user_data if u not in out]
+    if unlisted:
+        raise ValueError(
+            f"{path}: 'user_data' holds {len(unlisted)} writer(s) that 'users' does not list "
+            f"(first: '{unlisted[0]}'); a LEAF shard lists every writer it holds"
+        )
     return out
 
 
@@ -157,10 +174,18 @@ def _read_cached(path: pathlib.Path, mtime_ns: int, size: int):
 
 
 def _to_pixels(rows: list, where: str, invert: bool) -> np.ndarray:
+    # Parsed without a dtype first: numpy would read the strings "0.5" and a lone null
+    # or true as numbers; rows of JSON numbers come out integer or float.
     try:
-        x = np.asarray(rows, dtype=np.float32).reshape(len(rows), IMAGE_SIZE)
+        parsed = np.asarray(rows)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}['x'] must hold numbers ({e})") from e
+    if parsed.size and parsed.dtype.kind not in "fiu":
+        raise ValueError(
+            f"{where}['x'] must hold numbers, found values parsed as {parsed.dtype} "
+            "(JSON strings, booleans or nulls)"
+        )
+    x = parsed.astype(np.float32).reshape(len(rows), IMAGE_SIZE)
     if x.size and (not np.all(np.isfinite(x)) or x.min() < 0.0 or x.max() > 1.0):
         raise ValueError(f"{where}['x'] pixel values must lie in [0, 1]")
     return 1.0 - x if invert else x
@@ -210,15 +235,25 @@ def load_leaf(
 
     Raises:
       ValueError: on a missing folder, malformed or unpaired files (the message names
-        the file and key), a training writer without test data, or fewer eligible
-        writers than ``num_clients``.
+        the file and key), a training writer without test data, a writer in two test
+        files, fewer eligible writers than ``num_clients``, or counts below 1 / a
+        negative ``seed``.
+      TypeError: ``num_clients``, ``min_samples`` or ``seed`` not integers,
+        ``digits_only`` or ``invert`` not booleans.
     """
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be a positive integer, got {num_clients!r}")
-    if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
-        raise ValueError(f"min_samples must be a positive integer, got {min_samples!r}")
+    for name, value in (("num_clients", num_clients), ("min_samples", min_samples)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} must be a positive integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    num_clients, min_samples = int(num_clients), int(min_samples)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
         raise TypeError(f"seed must be None or an int, got {seed!r}")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be >= 0 (numpy.random.default_rng's range), got {seed}")
+    for name, value in (("digits_only", digits_only), ("invert", invert)):
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     root = pathlib.Path(data_dir)
     train_dir, test_dir = root / "train", root / "test"
     for d in (train_dir, test_dir):
@@ -231,11 +266,17 @@ def load_leaf(
 
     # eligible: (writer, train file, train rows, train labels, test file, test rows, test labels)
     eligible = []
-    seen = {}
+    seen, seen_test = {}, {}
     for train_file in train_files:
         test_file = _counterpart(train_file, test_dir)
         train_part = _read_once(train_file)
         test_part = _read_once(test_file)
+        for user in test_part:  # a writer's test rows live in its own shard's test file
+            if seen_test.setdefault(user, test_file) != test_file:
+                raise ValueError(
+                    f"writer '{user}' appears in both {seen_test[user]} and {test_file}: LEAF "
+                    "keeps a writer's test rows in the test file of its training shard"
+                )
         for user, (x_rows, y) in train_part.items():
             if user in seen:
                 raise ValueError(f"writer '{user}' appears in both {seen[user]} and {train_file}")
