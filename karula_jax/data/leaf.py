@@ -191,6 +191,35 @@ def _to_pixels(rows: list, where: str, invert: bool) -> np.ndarray:
     return 1.0 - x if invert else x
 
 
+def _check_load_args(num_clients, min_samples, seed, digits_only, invert) -> tuple[int, int]:
+    """:func:`load_leaf`'s scalar arguments checked; ``(num_clients, min_samples)`` as ints."""
+    for name, value in (("num_clients", num_clients), ("min_samples", min_samples)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} must be a positive integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    num_clients, min_samples = int(num_clients), int(min_samples)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        raise TypeError(f"seed must be None or an int, got {seed!r}")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be >= 0 (numpy.random.default_rng's range), got {seed}")
+    for name, value in (("digits_only", digits_only), ("invert", invert)):
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    return num_clients, min_samples
+
+
+def _note_test_writers(seen: dict, test_part: dict, test_file: pathlib.Path) -> None:
+    """Records the writers of ``test_file`` in ``seen``; a writer already seen in another
+    test file is refused (LEAF keeps a writer's test rows in its training shard's pair)."""
+    for user in test_part:
+        if seen.setdefault(user, test_file) != test_file:
+            raise ValueError(
+                f"writer '{user}' appears in both {seen[user]} and {test_file}: LEAF keeps a "
+                "writer's test rows in the test file of its training shard"
+            )
+
+
 def load_leaf(
     data_dir: str | os.PathLike,
     *,
@@ -241,19 +270,7 @@ def load_leaf(
       TypeError: ``num_clients``, ``min_samples`` or ``seed`` not integers,
         ``digits_only`` or ``invert`` not booleans.
     """
-    for name, value in (("num_clients", num_clients), ("min_samples", min_samples)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} must be a positive integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    num_clients, min_samples = int(num_clients), int(min_samples)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
-        raise TypeError(f"seed must be None or an int, got {seed!r}")
-    if seed is not None and seed < 0:
-        raise ValueError(f"seed must be >= 0 (numpy.random.default_rng's range), got {seed}")
-    for name, value in (("digits_only", digits_only), ("invert", invert)):
-        if not isinstance(value, bool | np.bool_):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+    num_clients, min_samples = _check_load_args(num_clients, min_samples, seed, digits_only, invert)
     root = pathlib.Path(data_dir)
     train_dir, test_dir = root / "train", root / "test"
     for d in (train_dir, test_dir):
@@ -271,12 +288,7 @@ def load_leaf(
         test_file = _counterpart(train_file, test_dir)
         train_part = _read_once(train_file)
         test_part = _read_once(test_file)
-        for user in test_part:  # a writer's test rows live in its own shard's test file
-            if seen_test.setdefault(user, test_file) != test_file:
-                raise ValueError(
-                    f"writer '{user}' appears in both {seen_test[user]} and {test_file}: LEAF "
-                    "keeps a writer's test rows in the test file of its training shard"
-                )
+        _note_test_writers(seen_test, test_part, test_file)
         for user, (x_rows, y) in train_part.items():
             if user in seen:
                 raise ValueError(f"writer '{user}' appears in both {seen[user]} and {train_file}")
