@@ -151,11 +151,16 @@ def karula(
         ``learning_rate`` negative or NaN; ``smoothness`` values negative, not finite or
         not of shape ``[n]``; ``clients_per_round`` or ``batch_size``
         < 1 (``s > n`` is detected by ``init``/``round``); bad ``weights``; at
-        ``init``, ``params`` that do not fit the data (see ``_common.check_params``).
+        ``init``, ``params`` that do not fit the data (see ``_common.check_params``);
+        ``projection_method`` not one of ``karula_jax.projection.METHODS``,
+        ``projection_tol`` not finite and > 0, ``projection_max_iter`` < 1.
+      TypeError: ``projection_tol`` not a real number or ``projection_max_iter`` not an
+        int (among the argument types checked).
     """
     D, t, s, B = _check_arguments(
         D, t, learning_rate, clients_per_round, batch_size, weights, smoothness, personalized
     )
+    _check_projection(projection_method, projection_tol, projection_max_iter)
     projection = {
         "method": projection_method,
         "tol": projection_tol,
@@ -215,6 +220,17 @@ def _check_arguments(
     check_smoothness(smoothness, D.shape[0])
     check_personalized(personalized)
     return D, t, s, B
+
+
+def _check_projection(method, tol, max_iter) -> None:
+    """The projection options, checked when the factory is called (``project`` checks
+    them again by its own names at the first round)."""
+    from karula_jax.projection import METHODS  # noqa: PLC0415 - sibling module, import late
+
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"projection_method must be one of {METHODS}, got {method!r}")
+    C.check_positive("projection_tol", tol)
+    C.check_positive_int("projection_max_iter", max_iter)
 
 
 def _check_data(setup: _Setup, data: ClientData) -> None:
