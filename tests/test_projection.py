@@ -432,16 +432,19 @@ def test_dtypes_integer_half_and_nan():
         proj.project(v.astype(jnp.complex64), radii_sq)
 
 
-def test_auto_picks_dykstra_small_and_laplacian_large():
+def test_auto_picks_dykstra_for_one_pair_and_laplacian_from_three():
     assert proj.choose_method(2, 1) == "dykstra"
-    assert proj.choose_method(5, 1010) == "dykstra"
+    assert proj.choose_method(2, 1010) == "dykstra"
+    assert proj.choose_method(3, 2) == "laplacian"
+    assert proj.choose_method(5, 1010) == "laplacian"
     assert proj.choose_method(6, 2) == "laplacian"
     assert proj.choose_method(30, 1010) == "laplacian"
-    assert proj.choose_method(5, 200_000) == "laplacian"  # 10 * 200000 floats of state
+    assert proj.choose_method(2, 2_000_000) == "laplacian"  # 2e6 floats of pair state
     v = jnp.zeros((50, 3))
     state = proj.init_projection_state(v)
     assert state.lam.shape == (50, 50) and state.pair_dual.shape == (0, 3)
-    assert proj.init_projection_state(v[:4]).pair_dual.shape == (6, 3)
+    assert proj.init_projection_state(v[:2]).pair_dual.shape == (1, 3)
+    assert proj.init_projection_state(v[:4]).pair_dual.shape == (0, 3)
 
 
 def test_models_far_inside_their_radii_come_back_as_is():

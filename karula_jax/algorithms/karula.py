@@ -129,8 +129,8 @@ def karula(
         of ``nu`` (their projection). Default True: every leaf personalized.
       weights: optional client weights ``alpha`` of shape ``[n]`` (default
         proportional to ``N_i`` with mean 1).
-      projection_method: solver of the projection: ``"auto"`` (Dykstra for a handful
-        of clients, the Laplacian dual otherwise; see
+      projection_method: solver of the projection: ``"auto"`` (Dykstra for two clients,
+        the Laplacian dual otherwise; see
         :func:`karula_jax.projection.choose_method`), ``"dykstra"``, ``"laplacian"``, or
         ``"none"``: no projection (an ablation for timing; the iterates leave ``K``).
       projection_tol: its tolerance.

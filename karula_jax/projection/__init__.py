@@ -55,8 +55,7 @@ Matrix products run at full float32 precision (not TF32, a GPU's default).
 
 Solvers (one module each, one row in :data:`karula_jax.projection.solvers.SOLVERS`, the
 contract in :mod:`karula_jax.projection.contract`): ``method="auto"`` (default) takes
-Dykstra when ``n <= 5`` and its state ``n(n-1)/2 * p`` is at most ``2**20`` floats, else
-the Laplacian dual
+Dykstra for one pair (``n = 2``, state at most ``2**20`` floats), else the Laplacian dual
 (:func:`choose_method`). ``method="dykstra"`` is Dykstra's algorithm cycling over the
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with
 a bye when ``n`` is odd; the pair kernel vmapped over the disjoint pairs of a matching;

@@ -37,15 +37,17 @@ def _methods() -> tuple[str, ...]:
     return ("auto", "none", *SOLVERS)
 
 
-# "auto" takes the pair-copy Dykstra only while its state (one vector per pair) is small.
-_DYKSTRA_MAX_N = 5
+# "auto" takes the pair-copy Dykstra for a single pair only (n = 2, one pair kernel):
+# from n = 3 the Laplacian dual is as fast on cold random problems and always converged,
+# Dykstra not (results/bench/README.md, "Which solver auto picks").
+_DYKSTRA_MAX_N = 2
 _DYKSTRA_MAX_FLOATS = 1 << 20
 
 
 def choose_method(n: int, p: int) -> str:
     """The solver ``method="auto"`` runs for ``n`` clients and ``p`` personalized numbers.
 
-    ``"dykstra"`` when ``n <= 5`` and its dual state ``n(n-1)/2 * p`` has at most
+    ``"dykstra"`` when ``n <= 2`` (one pair) and its dual state ``n(n-1)/2 * p`` has at most
     ``2**20`` floats (4 MiB in float32), else ``"laplacian"``, whose state is ``n^2``
     scalars. The measurements behind these thresholds: ``results/bench/README.md``
     (section "Which solver auto picks").
