@@ -15,6 +15,8 @@ __all__ = ["check_dissimilarity", "graph_laplacian", "weights_numpy"]
 
 def check_dissimilarity(D) -> None:
     """``D`` square, no NaN, ``>= 0``, symmetric (values deferred when traced)."""
+    if D is None or isinstance(D, str | bytes | dict):
+        raise TypeError(f"D must be an [n, n] array of dissimilarities, got {type(D).__name__}")
     d = concrete(D)
     if d is None:
         if len(jnp.shape(D)) != 2 or jnp.shape(D)[0] != jnp.shape(D)[1]:

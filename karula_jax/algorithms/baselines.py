@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._local import aggregate, local_train
@@ -131,6 +132,8 @@ def fedsgd(
     s = C.check_positive_int("clients_per_round", clients_per_round)
     B = C.check_positive_int("batch_size", batch_size)
     C.check_weights(weights)
+    if not isinstance(memory, bool | np.bool_):
+        raise TypeError(f"memory must be True or False, got {memory!r}")
 
     def init(params, data: ClientData, *, key) -> FedState:
         C.check_params(loss, params, data)

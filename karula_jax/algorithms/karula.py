@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax._checks import is_concrete
 from karula_jax.algorithms import _common as C
 from karula_jax.algorithms._graph import check_dissimilarity
 from karula_jax.algorithms._personalized import check_personalized, shared_leaves
@@ -53,7 +54,15 @@ def radii_squared(t, D) -> jnp.ndarray:
 
     ``t = 0`` gives radius 0 even where ``D = inf`` (one global model), and ``D_ij = 0``
     gives radius 0 even when ``t = inf`` (identical clients stay tied).
+
+    Raises:
+      ValueError: a concrete ``t`` negative or NaN, a concrete ``D`` that
+        :func:`karula` would refuse (traced values are checked by the runner).
     """
+    if is_concrete(t):
+        C.check_nonnegative("t", t, allow_inf=True)
+    if is_concrete(D):
+        check_dissimilarity(D)
     D = jnp.asarray(D, dtype=jnp.float32)
     t = jnp.asarray(t, dtype=jnp.float32)
     return jnp.where((D == 0) | (t == 0), 0.0, t * D)

@@ -362,7 +362,11 @@ def _out_dtype(x):
 
 def _check_values(leaves) -> None:
     for i, leaf in enumerate(leaves):
-        dt = jnp.result_type(leaf)
+        try:
+            dt = jnp.result_type(leaf)
+        except TypeError as e:
+            got = type(leaf).__name__
+            raise TypeError(f"v: leaf {i} is a {got}, not an array of numbers ({e})") from e
         if jnp.issubdtype(dt, jnp.complexfloating) or not (
             jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)
         ):
@@ -376,6 +380,13 @@ def _check_values(leaves) -> None:
 
 
 def _check_radii(radii_sq, n: int) -> None:
+    try:
+        dt = jnp.result_type(radii_sq)
+    except TypeError:
+        dt = None
+    if dt is None or not (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)):
+        got = type(radii_sq).__name__ if dt is None else dt
+        raise TypeError(f"radii_sq: expected a real [{n}, {n}] array of squared radii, got {got}")
     shape = jnp.shape(radii_sq)
     if shape != (n, n):
         raise ValueError(f"radii_sq: expected shape ({n}, {n}) (clients of v), got {shape}")
