@@ -468,6 +468,8 @@ CASES = [
      "clients_per_round"),
     ("local learning_rate negative", lambda p: local(LOSS, learning_rate=-0.1, batch_size=2),
      ValueError, "learning_rate"),
+    ("ClientData of lists", lambda p: ClientData([[[0.0]]], [[0.0]], [1]), TypeError,
+     "ClientData: x must be an array, got a list"),
     ("fedsgd memory string", lambda p: ALGOS["fedsgd"](memory="yes"), TypeError,
      "memory must be True or False"),
     ("karula D None", lambda p: karula(LOSS, None, t=1.0, **HP), TypeError,

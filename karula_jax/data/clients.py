@@ -123,6 +123,14 @@ def _has_shape(a) -> bool:
 
 def _validate(x, y, counts) -> None:
     fields = {"x": x, "y": y, "counts": counts}
+    for name, a in fields.items():
+        # nested lists are data, never a placeholder: they would pass here and fail deep in
+        # the first run (lists of per-client arrays are from_client_arrays' input)
+        if isinstance(a, list):
+            raise TypeError(
+                f"ClientData: {name} must be an array, got a list (np.asarray it, or build "
+                "per-client lists with karula_jax.data.from_client_arrays)"
+            )
     if not all(_has_shape(a) for a in fields.values()):
         if any(_is_array(a) for a in fields.values()):
             name = next(k for k, a in fields.items() if not _has_shape(a))
