@@ -55,7 +55,7 @@ class SyntheticConfig:
     FedSGD 9.2 / 0.876, FedAvg 9.2 / 0.876, IFCA 4.5 / 0.959 (k = 3..12), pFedMe 3.4 / 0.952,
     Karula 5.8 / 0.925 (t = 4..16), FedProx 9.2, SCAFFOLD 9.2, Ditto 2.4 / 0.966, Laplacian
     penalty on D 7.3, clustered FedAvg on D 2.9 / 0.969, Karula at the theorem's step 23.5 /
-    0.845 (t = 0). Runtime: about 5 minutes on a quiet 2-core machine (``--diagnostics`` adds
+    0.845 (t = 0). Runtime: 3-5 minutes on a quiet 2-core machine (``--diagnostics`` adds
     three Karula runs).
 
     Attributes:
