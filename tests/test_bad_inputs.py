@@ -295,11 +295,11 @@ CASES = [
     ("LEAF null pixel",
      lambda p: load_leaf(_leaf_dir(p, _writer_with(None)), num_clients=1, min_samples=1),
      ValueError, r"user_data\['w'\]\['x'\] must hold numbers, found values parsed as object"),
-    ("LEAF writer not in users",
+    ("LEAF writer with rows not in users",
      lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(user_data={
          "w": {"x": [[0.5] * IMAGE_SIZE] * 2, "y": [1, 2]},
          "v": {"x": [[0.5] * IMAGE_SIZE], "y": [1]}}))),
-     ValueError, r"'user_data' holds 1 writer\(s\) that 'users' does not list \(first: 'v'\)"),
+     ValueError, r"holds 1 writer\(s\) with rows that 'users' does not list \(first: 'v'\)"),
     ("LEAF integer writer id", lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(users=[5]))),
      ValueError, r"'users' must hold writer ids as strings .* got 5 \(int\)"),
     ("LEAF list writer id", lambda p: read_leaf_file(_leaf_file(p, _leaf_raw(users=[["w"]]))),
@@ -984,3 +984,13 @@ def test_nonfinite_report_names_the_data_first():
     assert "(batch member, client) pair (1, 2)" in training.diagnostics.nonfinite_data(
         jax.tree.map(lambda a, b: jnp.stack([a, b]), DATA, bad)
     )
+
+
+def test_karula_trains_on_a_D_symmetric_to_its_tolerance():
+    """D asymmetric by 5e-6 relative (or 1e-7 facing 0) passes karula's check (rtol 1e-5,
+    atol 1e-6); the traced radii t * D must not then be blanked as invalid inside the
+    compiled run (a review found that they were)."""
+    for bad in (D.at[0, 1].multiply(1 + 5e-6), D.at[0, 1].set(1e-7).at[1, 0].set(0.0)):
+        alg = karula(LOSS, bad, t=0.01, **HP)
+        res = training.run(alg, THETA, DATA, key=KEY, num_rounds=3, progress=False)
+        assert np.isfinite(np.asarray(jax.tree.leaves(res.state.params)[0])).all()

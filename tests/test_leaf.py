@@ -337,3 +337,16 @@ def test_numpy_integer_counts_are_accepted(small_leaf):
     b = load_leaf(root, num_clients=2, min_samples=2, seed=1)
     assert a.writers == b.writers
     np.testing.assert_array_equal(a.train.x, b.train.x)
+
+
+def test_unlisted_empty_writer_is_skipped(tmp_path):
+    """LEAF's split_data.py leaves the writers it drops in user_data with empty x and y:
+    such a shard loads, the empty writer skipped."""
+    rng = np.random.default_rng(2)
+    _write_leaf(tmp_path, {0: {"u1": _writer(rng, [1, 2])}}, {0: {"u1": _writer(rng, [3])}})
+    for split in ("train", "test"):
+        f = next((tmp_path / split).glob("*.json"))
+        raw = json.loads(f.read_text())
+        raw["user_data"]["dropped"] = {"x": [], "y": []}
+        f.write_text(json.dumps(raw))
+    assert load_leaf(tmp_path, num_clients=1, min_samples=1).writers == ["u1"]

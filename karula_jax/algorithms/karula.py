@@ -234,10 +234,11 @@ def _check_arguments(
 def _check_projection(method, tol, max_iter) -> None:
     """The projection options, checked when the factory is called (``project`` checks
     them again by its own names at the first round)."""
-    from karula_jax.projection import METHODS  # noqa: PLC0415 - sibling module, import late
+    from karula_jax.projection.solvers import SOLVERS  # noqa: PLC0415 - import late
 
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"projection_method must be one of {METHODS}, got {method!r}")
+    methods = ("auto", "none", *SOLVERS)  # at call time: solvers may be registered later
+    if not isinstance(method, str) or method not in methods:
+        raise ValueError(f"projection_method must be one of {methods}, got {method!r}")
     C.check_positive("projection_tol", tol)
     C.check_positive_int("projection_max_iter", max_iter)
 

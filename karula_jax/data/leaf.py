@@ -150,13 +150,22 @@ def read_leaf_file(path: str | os.PathLike) -> dict[str, tuple[list, np.ndarray]
         except OverflowError as e:
             raise ValueError(f"{where}['y'] holds a label too large for int64 ({e})") from e
         out[user] = (x, labels)
-    unlisted = [u for u in user_data if u not in out]
+    # LEAF's split_data.py leaves writers it dropped (fewer than 2 samples) in user_data
+    # with empty x and y: those are skipped; an unlisted writer with rows is an error.
+    unlisted = [u for u, e in user_data.items() if u not in out and _has_rows(e)]
     if unlisted:
         raise ValueError(
-            f"{path}: 'user_data' holds {len(unlisted)} writer(s) that 'users' does not list "
-            f"(first: '{unlisted[0]}'); a LEAF shard lists every writer it holds"
+            f"{path}: 'user_data' holds {len(unlisted)} writer(s) with rows that 'users' does "
+            f"not list (first: '{unlisted[0]}'); a LEAF shard lists every writer it keeps"
         )
     return out
+
+
+def _has_rows(entry) -> bool:
+    """Whether a ``user_data`` entry holds any sample (``x`` or ``y`` non-empty)."""
+    if not isinstance(entry, dict):
+        return True
+    return bool(entry.get("x")) or bool(entry.get("y"))
 
 
 def _read_once(path: pathlib.Path) -> dict[str, tuple[list, np.ndarray]]:
@@ -183,7 +192,7 @@ def _to_pixels(rows: list, where: str, invert: bool) -> np.ndarray:
     if parsed.size and parsed.dtype.kind not in "fiu":
         raise ValueError(
             f"{where}['x'] must hold numbers, found values parsed as {parsed.dtype} "
-            "(JSON strings, booleans or nulls)"
+            "(JSON strings, nulls, or rows of booleans only)"
         )
     x = parsed.astype(np.float32).reshape(len(rows), IMAGE_SIZE)
     if x.size and (not np.all(np.isfinite(x)) or x.min() < 0.0 or x.max() > 1.0):

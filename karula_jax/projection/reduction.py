@@ -84,8 +84,9 @@ def reduce_problem(x, radii_sq, *, rotate):
     dtype = x.dtype
     eye = jnp.eye(n, dtype=bool)
     r = jnp.sqrt(jnp.maximum(radii_sq.astype(dtype), 0.0))
-    # the smaller of r_ij and r_ji (equal up to the input check's 1e-6, unchecked when
-    # traced): symmetric to the bit, as the components and the dual solver's pair
+    # the smaller of r_ij and r_ji (equal up to the input check's 1e-6 when concrete;
+    # traced, only NaN, negative and inf-facing-finite radii are flagged, by
+    # api._radii_ok): symmetric to the bit, as the components and the dual solver's pair
     # arrays must be
     r = jnp.where(eye, jnp.inf, jnp.minimum(r, r.T))
     labels = _components(r == 0)
