@@ -63,6 +63,11 @@ def radii_squared(t, D) -> jnp.ndarray:
         C.check_nonnegative("t", t, allow_inf=True)
     if is_concrete(D):
         check_dissimilarity(D)
+    return _radii(t, D)
+
+
+def _radii(t, D) -> jnp.ndarray:
+    """:func:`radii_squared` without its checks, for callers that checked ``t`` and ``D``."""
     D = jnp.asarray(D, dtype=jnp.float32)
     t = jnp.asarray(t, dtype=jnp.float32)
     return jnp.where((D == 0) | (t == 0), 0.0, t * D)
@@ -204,7 +209,7 @@ class _Setup(NamedTuple):
     projection: dict  # method, tol and max_iter of karula_jax.projection.project
 
     def radii(self) -> jnp.ndarray:
-        return radii_squared(self.t, self.D)
+        return _radii(self.t, self.D)  # t and D checked by the factory
 
 
 def _check_arguments(
@@ -234,9 +239,9 @@ def _check_arguments(
 def _check_projection(method, tol, max_iter) -> None:
     """The projection options, checked when the factory is called (``project`` checks
     them again by its own names at the first round)."""
-    from karula_jax.projection.solvers import SOLVERS  # noqa: PLC0415 - import late
+    from karula_jax.projection.api import registered_methods  # noqa: PLC0415 - import late
 
-    methods = ("auto", "none", *SOLVERS)  # at call time: solvers may be registered later
+    methods = registered_methods()
     if not isinstance(method, str) or method not in methods:
         raise ValueError(f"projection_method must be one of {methods}, got {method!r}")
     C.check_positive("projection_tol", tol)

@@ -26,6 +26,7 @@ __all__ = [
     "choose_method",
     "init_projection_state",
     "project",
+    "registered_methods",
 ]
 
 # "auto" picks a solver (choose_method); "none" skips the projection (an ablation). The
@@ -33,7 +34,10 @@ __all__ = [
 METHODS = ("auto", "none", *SOLVERS)
 
 
-def _methods() -> tuple[str, ...]:
+def registered_methods() -> tuple[str, ...]:
+    """The ``method`` values :func:`project` accepts now: ``"auto"``, ``"none"`` and every
+    solver of ``SOLVERS`` (read at call time, so a solver registered after import counts;
+    :data:`METHODS` is the tuple at import)."""
     return ("auto", "none", *SOLVERS)
 
 
@@ -478,8 +482,8 @@ def _warm_state(warm_start, zero_state, method):
 
 
 def _check_options(method, tol, max_iter) -> None:
-    if method not in _methods():
-        raise ValueError(f"method: expected one of {_methods()}, got {method!r}")
+    if method not in registered_methods():
+        raise ValueError(f"method: expected one of {registered_methods()}, got {method!r}")
     check_positive("tol", tol)
     check_positive_int("max_iter", max_iter)
 
