@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from karula_jax._checks import check_positive_int
 from karula_jax.data.clients import ClientData, from_client_arrays
 
 __all__ = ["IMAGE_SIZE", "LeafData", "load_leaf", "read_leaf_file"]
@@ -202,12 +203,8 @@ def _to_pixels(rows: list, where: str, invert: bool) -> np.ndarray:
 
 def _check_load_args(num_clients, min_samples, seed, digits_only, invert) -> tuple[int, int]:
     """:func:`load_leaf`'s scalar arguments checked; ``(num_clients, min_samples)`` as ints."""
-    for name, value in (("num_clients", num_clients), ("min_samples", min_samples)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} must be a positive integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    num_clients, min_samples = int(num_clients), int(min_samples)
+    num_clients = check_positive_int("num_clients", num_clients)
+    min_samples = check_positive_int("min_samples", min_samples)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
         raise TypeError(f"seed must be None or an int, got {seed!r}")
     if seed is not None and seed < 0:
