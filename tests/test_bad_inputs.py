@@ -216,6 +216,8 @@ CASES = [
                                                    num_classes=0), ValueError, "num_classes"),
     ("num_classes float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
                                                        num_classes=2.5), TypeError, "num_classes"),
+    ("num_classes past int32", lambda p: from_client_arrays(
+        [np.ones((2, 2))], [np.array([0, 2**40])], num_classes=2**41), ValueError, "num_classes"),
     ("max_count float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
                                                      max_count=3.5), TypeError, "max_count"),
     ("max_count too small", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],

@@ -220,6 +220,11 @@ def from_client_arrays(
     dt = np.dtype(jax.dtypes.canonicalize_dtype(check_floating_dtype("dtype", dtype)))
     if num_classes is not None:
         num_classes = check_positive_int("num_classes", num_classes)
+        if num_classes > np.iinfo(np.int32).max:
+            raise ValueError(
+                f"num_classes must be at most 2**31 - 1 (labels are stored as int32), "
+                f"got {num_classes}"
+            )
     if max_count is not None:
         max_count = check_positive_int("max_count", max_count)
     for name, seq in (("xs", xs), ("ys", ys)):
