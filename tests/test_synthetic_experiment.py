@@ -163,3 +163,19 @@ def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "group_feature_std=0.3" in md
     assert "`python -m experiments.synthetic_ridge --sensitivity`" in md
+
+
+def test_number_of_groups_is_natural_at_one_and_from_the_number_of_clients():
+    """IFCA's and the clustered FedAvg's k: a choice of 1 or of k >= n clients is a natural
+    limit (no wider grid exists), a choice at a grid's end below n an edge to widen."""
+    cfg = dataclasses.replace(sr.SyntheticConfig(), num_clients=6, clients_per_round=3)
+    cfg = dataclasses.replace(cfg, k_grid=(1, 2, 6, 8), cluster_grid=(1, 2, 4))
+    methods = sr.methods(cfg, n_max=10)
+    ifca, clustered = methods["IFCA"], methods["Clustered FedAvg on D"]
+    assert ifca.labels() == ["k=1", "k=2", "k=6", "k=8"]
+    assert ifca.natural_points() == [0, 2, 3]
+    assert not ifca.edge(np.array([0, 1, 3])).any()
+    assert clustered.labels() == ["k=1", "k=2", "k=4"]
+    assert list(clustered.edge(np.array([0, 1, 2]))) == [False, False, True]
+    narrow = sr.methods(dataclasses.replace(cfg, k_grid=(1, 2, 4)), n_max=10)["IFCA"]
+    assert list(narrow.edge(np.array([0, 2]))) == [False, True]
