@@ -180,6 +180,7 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
         clients_per_round=cfg.clients_per_round,
         batch_size=cfg.batch_size,
         local_steps=cfg.local_steps,
+        num_clients=cfg.num_clients,
     )
     if not cv:
         return methods

@@ -149,7 +149,6 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
 
 
 # The diagnostics' member arguments: Karula's row reading each instead of D.
-_GROUPED = ("IFCA", "Clustered FedAvg on D")  # methods tuning a number of groups k
 _DIAGNOSTIC_D = dict(zip(DIAGNOSTICS, ("D_true", "D_population", "D_l1"), strict=True))
 
 
@@ -214,10 +213,6 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
     # Karula's row on another D, with its grid and projection
     karula = protocol.REGISTRY["Karula"]
     rows = {n: karula._replace(name=n, members={"D": k}) for n, k in _DIAGNOSTIC_D.items()}
-    # A number of groups from the number of clients on is a natural limit too (no wider
-    # grid exists: at most one group per client), as is 1.
-    natural = lambda k: k == 1 or k >= cfg.num_clients
-    grouped = {n: protocol.REGISTRY[n]._replace(natural=natural) for n in _GROUPED}
     names = protocol.selected(cfg.methods, METHODS + EXTRA)
     names = (names if "Local" in names else ["Local", *names]) + list(rows) * cfg.diagnostics
     return protocol.build_methods(
@@ -226,7 +221,8 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
         rates=rates,
         grids=grids | dict.fromkeys(rows, cfg.t_grid),
         options=options | dict.fromkeys(rows, projection),
-        registry=protocol.REGISTRY | grouped | rows,
+        registry=protocol.REGISTRY | rows,
+        num_clients=cfg.num_clients,  # k >= n groups: a natural limit (IFCA, clustered)
         clients_per_round=cfg.clients_per_round,
         batch_size=n_max,
         local_steps=cfg.local_steps,

@@ -633,3 +633,24 @@ def test_default_rates_from_the_clients_hessians(estimate):
     second = default_rates(loss, params, other, 2, key=jax.random.split(key)[1])
     for name in ("karula", "local", "fedavg"):
         np.testing.assert_allclose(stacked[name][1], second[name], rtol=1e-6)
+
+
+def test_a_number_of_groups_from_the_number_of_clients_on_is_a_natural_limit():
+    """Rows with ``groups`` (IFCA, the clustered FedAvg): with ``num_clients`` given, a
+    choice of k >= n is a natural limit like k = 1, a grid's end below n an edge; without
+    it only k = 1 is; a row without ``groups`` is untouched; a bad count is refused."""
+    loss = ridge_loss(1e-3)
+    rates = {k: (lambda L=1.0, **_: 0.1 / L) for k in ("ifca", "fedavg", "fedprox")}
+    local = dict(clients_per_round=2, batch_size=8, local_steps=2)
+    grids = {"IFCA": (1, 2, 4, 6), "Clustered FedAvg on D": (1, 2, 3), "FedProx": (0.1, 1.0)}
+    names = ("IFCA", "Clustered FedAvg on D", "FedProx")
+    told = build_methods(names, loss=loss, rates=rates, grids=grids, num_clients=4, **local)
+    blind = build_methods(names, loss=loss, rates=rates, grids=grids, **local)
+    assert told["IFCA"].natural_points() == [0, 2, 3]
+    assert blind["IFCA"].natural_points() == [0]
+    assert list(told["IFCA"].edge(np.array([3, 1]))) == [False, False]
+    assert list(blind["IFCA"].edge(np.array([3, 1]))) == [True, False]
+    assert list(told["Clustered FedAvg on D"].edge(np.array([0, 2]))) == [False, True]
+    assert list(told["FedProx"].edge(np.array([0, 1]))) == [True, True]
+    with pytest.raises(ValueError, match="num_clients"):
+        build_methods(names, loss=loss, rates=rates, grids=grids, num_clients=0, **local)

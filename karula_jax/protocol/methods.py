@@ -25,6 +25,7 @@ import numpy as np
 
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
+from karula_jax._checks import check_positive_int
 from karula_jax.algorithms.base import Algorithm, LossFn
 
 __all__ = [
@@ -203,6 +204,10 @@ class MethodRow(NamedTuple):
       bound: the factory keyword that takes a tuned grid's largest value, so that a
         hyperparameter that fixes shapes runs traced below it, one compiled program for
         the grid (IFCA's ``max_clusters``); a fixed value is passed as it is, without it.
+      groups: ``hyper`` is a number of groups of clients (IFCA's clusters, the clustered
+        FedAvg's k): where :func:`build_methods` is told the number of clients ``n``,
+        every value ``>= n`` is a natural limit as well (at most one group per client:
+        no wider grid exists).
     """
 
     name: str
@@ -217,6 +222,7 @@ class MethodRow(NamedTuple):
     natural: Callable[[Any], bool] | None = None
     projects: bool = False
     bound: str | None = None
+    groups: bool = False
 
     def method(
         self,
@@ -335,6 +341,7 @@ _ROWS = (
         shown="k",
         bound="max_clusters",
         natural=lambda k: k == 1,
+        groups=True,
     ),
     MethodRow(
         "pFedMe",
@@ -386,6 +393,7 @@ _ROWS = (
         grid=(1, 2, 3, 4, 5),
         members={"labels": "labels"},
         kind="choice",
+        groups=True,
     ),
 )
 # Variants a study adds by name: FedPer (Karula at t = inf on its mask) and Karula at
@@ -429,6 +437,7 @@ def build_methods(
     grids: Mapping[str, Any] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
     registry: Mapping[str, MethodRow] | None = None,
+    num_clients: int | None = None,
     **settings,
 ) -> dict[str, Method]:
     """The :class:`Method` of every method in ``names``, from its registry row.
@@ -448,6 +457,9 @@ def build_methods(
       options: ``{name: {keyword: value}}``, further factory keywords per method (e.g.
         Karula's ``projection_tol``, pFedMe's ``inner_steps``, a ``personalized`` mask).
       registry: the rows to build from (default :data:`REGISTRY`).
+      num_clients: the study's number of clients, if known: a CV choice of ``k >=
+        num_clients`` groups is then a natural limit of a row with ``groups`` (not an
+        edge of its grid to widen).
       **settings: study-wide factory keywords (``clients_per_round``, ``batch_size``,
         ``local_steps``); each method takes those its row lists.
 
@@ -462,9 +474,18 @@ def build_methods(
     unknown = [name for name in [*names, *grids, *options] if name not in registry]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; registered: {list(registry)}")
+    rows = {name: registry[name] for name in names}
+    if num_clients is not None:
+        n = check_positive_int("num_clients", num_clients)
+        rows |= {name: _up_to_clients(row, n) for name, row in rows.items() if row.groups}
     return {
-        name: registry[name].method(
-            loss, rates, grid=grids.get(name), options=options.get(name), **settings
-        )
-        for name in names
+        name: row.method(loss, rates, grid=grids.get(name), options=options.get(name), **settings)
+        for name, row in rows.items()
     }
+
+
+def _up_to_clients(row: MethodRow, num_clients: int) -> MethodRow:
+    """``row`` (a number of groups) with every value ``>= num_clients`` a natural limit
+    too, besides its own (default: 1)."""
+    own = row.natural or (lambda k: k == 1)
+    return row._replace(natural=lambda k: own(k) or k >= num_clients)

@@ -609,6 +609,7 @@ def logistic_study(
             clients_per_round=clients_per_round,
             batch_size=int(data.cv.train.x.shape[2]),  # full gradients
             local_steps=local_steps,
+            num_clients=n,
         )
 
     def values(_: str, o: CVOutcome, data: StudyData) -> dict[str, np.ndarray]:
