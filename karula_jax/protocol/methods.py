@@ -467,7 +467,9 @@ def build_methods(
       ``{name: Method}``.
 
     Raises:
-      ValueError: a name is not registered; a row's rate rule is missing from ``rates``.
+      ValueError: a name is not registered; a row's rate rule is missing from ``rates``;
+        ``num_clients < 1``.
+      TypeError: ``num_clients`` is not an int.
     """
     registry = REGISTRY if registry is None else registry
     grids, options = grids or {}, options or {}
