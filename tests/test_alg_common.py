@@ -200,3 +200,44 @@ def test_memory_is_updated_in_place():
         scaffold(loss, learning_rate=0.1, local_steps=2, **kw),
     ):
         assert _large_copies(alg, params, data, (n, 40, 16)) == []
+
+
+def test_a_round_of_zero_weight_participants_keeps_the_global_model():
+    """``weights`` may hold zeros (clients without rows have weight 0 by default): a round
+    whose participants all weigh 0 has nothing to average. Every method that averages keeps
+    its global model there (FedSGD and SCAFFOLD take no step), with a finite loss in its
+    report, instead of writing 0 / 0 into the model; rounds with weight move it as before."""
+    from karula_jax.algorithms import ditto, fedprox, scaffold
+
+    data = problem().train
+    w = jnp.asarray([0.0] * (N_CLIENTS - 1) + [1.0])  # only the last client weighs
+    kw = dict(learning_rate=0.1, clients_per_round=1, batch_size=4, weights=w)
+    algs = {
+        "fedsgd": fedsgd(LOSS, **kw),
+        "fedavg": fedavg(LOSS, **kw),
+        "fedprox": fedprox(LOSS, mu=0.1, **kw),
+        "scaffold": scaffold(LOSS, **kw),
+        "ditto": ditto(LOSS, lam=0.1, **kw),
+        "pfedme": pfedme(LOSS, **kw),
+    }
+    start = jnp.asarray([0.3, -0.2, 0.1], jnp.float32)
+    for name, alg in algs.items():
+        state = alg.init(start, data, key=jax.random.key(1))
+        step = jax.jit(alg.round)
+        seen = set()
+        for _ in range(12):
+            new, info = step(state, data)
+            drawn = int(np.argmax(np.asarray(info.participants)))
+            old_w = state.extra if name in ("ditto", "pfedme") else state.params
+            new_w = new.extra if name in ("ditto", "pfedme") else new.params
+            old_w, new_w = jax.tree.leaves(old_w)[0], jax.tree.leaves(new_w)[0]
+            assert bool(info.finite) and np.isfinite(float(info.loss)), (name, drawn)
+            assert np.all(np.isfinite(np.asarray(new_w))), (name, drawn)
+            if drawn < N_CLIENTS - 1:  # weight 0: the global model stays
+                np.testing.assert_allclose(new_w, old_w, rtol=1e-6, atol=0, err_msg=name)
+                seen.add("zero")
+            else:
+                assert not np.array_equal(np.asarray(new_w), np.asarray(old_w)), name
+                seen.add("weighted")
+            state = new
+        assert seen == {"zero", "weighted"}, (name, seen)

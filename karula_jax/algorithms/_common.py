@@ -264,10 +264,29 @@ def scale_rows(w: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
     return (w.reshape((-1,) + (1,) * (a.ndim - 1)) * a).astype(a.dtype)
 
 
-def weighted_mean(tree: Any, w: jnp.ndarray) -> Any:
-    """``sum_i w_i tree[i] / sum_i w_i`` over the leading axis of every leaf."""
+def weighted_mean(tree: Any, w: jnp.ndarray, *, otherwise: Any = None) -> Any:
+    """``sum_i w_i tree[i] / sum_i w_i`` over the leading axis of every leaf.
+
+    Where the weights sum to 0 (a round whose participants all weigh 0: ``weights`` with
+    zeros, clients without rows), ``otherwise``: a tree shaped like one row, what the
+    caller keeps then (its model as it was, a zero step); default the plain mean over the
+    leading axis. Never ``0 / 0``.
+    """
     total = jnp.sum(w)
-    return jax.tree.map(lambda a: (jnp.tensordot(w, a, axes=1) / total).astype(a.dtype), tree)
+    empty = ~(total > 0)
+    safe = jnp.where(empty, 1.0, total)
+    mean = jax.tree.map(lambda a: jnp.tensordot(w, a, axes=1) / safe, tree)
+    if otherwise is None:
+        otherwise = jax.tree.map(lambda a: jnp.mean(a, axis=0), tree)
+    return jax.tree.map(
+        lambda m, o, a: jnp.where(empty, o, m).astype(a.dtype), mean, otherwise, tree
+    )
+
+
+def first_row(tree: Any) -> Any:
+    """Row 0 of every leaf: the model of a state whose shared leaves are stored once
+    (``[1, ...]``); on a per-client leaf, client 0's (callers use it only where shared)."""
+    return jax.tree.map(lambda a: a[0], tree)
 
 
 def broadcast(tree: Any, n: int) -> Any:

@@ -159,7 +159,8 @@ def fedsgd(
             nu, mem = variance_reduced_direction(mem, G, idx)
             direction = jax.tree.map(lambda v: jnp.sum(v, axis=0), nu)
         else:
-            direction = C.weighted_mean(grads, a_s)
+            # a round of zero-weight participants takes no step
+            direction = C.weighted_mean(grads, a_s, otherwise=jax.tree.map(jnp.zeros_like, w))
         w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
         params = jax.tree.map(lambda a: a[None], w)
         info = C.round_info(values, a_s, mask, C.all_finite(values, grads, w))
@@ -222,7 +223,7 @@ def fedavg(
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
-        avg = C.weighted_mean(rows, a_s)
+        avg = C.weighted_mean(rows, a_s, otherwise=C.first_row(state.params))
         params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info

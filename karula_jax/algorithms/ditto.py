@@ -169,7 +169,7 @@ def ditto(
             keys_personal,
         )
         a_s = alpha[idx]
-        w = C.weighted_mean(w_rows, a_s)
+        w = C.weighted_mean(w_rows, a_s, otherwise=state.extra)
         personal = C.scatter(state.params, idx, v_rows)
         params = _combine(personalized_flags(personalized, w), personal, C.broadcast(w, n))
         info = C.round_info(values, a_s, mask, C.all_finite(values, w_rows, v_rows, w))

@@ -100,7 +100,7 @@ def fedprox(
             C.gather(state.params, idx), data.x[idx], data.y[idx], data.counts[idx], keys
         )
         a_s = alpha[idx]
-        avg = C.weighted_mean(rows, a_s)
+        avg = C.weighted_mean(rows, a_s, otherwise=C.first_row(state.params))
         params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
         info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info

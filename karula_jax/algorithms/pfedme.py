@@ -114,7 +114,7 @@ def pfedme(
             w, data.x[idx], data.y[idx], data.counts[idx], keys
         )
         a_s = alpha[idx]
-        avg = C.weighted_mean(w_rows, a_s)
+        avg = C.weighted_mean(w_rows, a_s, otherwise=w)
         w = jax.tree.map(lambda old, new: (1 - beta) * old + beta * new, w, avg)
         params = C.scatter(state.params, idx, thetas)
         info = C.round_info(values, a_s, mask, C.all_finite(values, thetas, w))

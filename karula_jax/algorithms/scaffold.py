@@ -152,7 +152,8 @@ def scaffold(
             c_rows,
         )
         memory = C.scatter(state.memory, idx, c_plus)
-        step = C.weighted_mean(delta, a_s)
+        no_step = jax.tree.map(lambda d: jnp.zeros_like(d[0]), delta)  # all weights 0
+        step = C.weighted_mean(delta, a_s, otherwise=no_step)
 
         def new_params(f, p, y, d):
             if f:
