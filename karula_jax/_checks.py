@@ -342,3 +342,15 @@ def personalized_flags(personalized: Any, params: Any) -> Any:
             "(or be True or False for every leaf)"
         )
     return jax.tree.map(bool, personalized)
+
+
+def check_targets(y, rows: tuple[int, ...], what: str = "the model's outputs") -> None:
+    """One target per row: a ``ValueError`` unless ``y``'s shape is ``rows`` (static
+    shapes, so it also fires when traced). A column of targets ``[B, 1]`` against
+    predictions ``[B]`` would otherwise broadcast into ``[B, B]`` and train silently on
+    every pair of rows."""
+    if tuple(jnp.shape(y)) != tuple(rows):
+        raise ValueError(
+            f"y must hold one target per row, shape {tuple(rows)} like {what}, got "
+            f"{tuple(jnp.shape(y))} (targets given as a column [N_i, 1]? pass [N_i] per client)"
+        )

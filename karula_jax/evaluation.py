@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax._checks import personalized_flags
+from karula_jax._checks import check_targets, personalized_flags
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -343,7 +343,12 @@ def mean_squared_error(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.
     Returns:
       ``sum_k mask (pred - y)^2 / max(N_i, 1)`` per client (0 for a client with no rows).
     """
-    return _per_client(lambda p, y, m: _masked_mean((p - y) ** 2, m), apply_fn, params, data)
+
+    def one(pred, y, mask):
+        check_targets(y, pred.shape, "apply_fn's predictions")
+        return _masked_mean((pred - y) ** 2, mask)
+
+    return _per_client(one, apply_fn, params, data)
 
 
 def r2_score(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.ndarray:
@@ -359,6 +364,7 @@ def r2_score(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.ndarray:
     """
 
     def one(pred, y, mask):
+        check_targets(y, pred.shape, "apply_fn's predictions")
         ybar = jnp.sum(jnp.where(mask, y, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
         sse = jnp.sum(jnp.where(mask, (y - pred) ** 2, 0.0))
         return 1.0 - sse / jnp.sum(jnp.where(mask, (y - ybar) ** 2, 0.0))
@@ -378,6 +384,7 @@ def accuracy(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.ndarray:
 
     def one(z, y, mask):
         pred = jnp.argmax(z, axis=-1) if z.ndim == 2 else (z > 0).astype(jnp.int32)
+        check_targets(y, pred.shape, "apply_fn's rows")
         return _masked_mean((pred == y).astype(jnp.float32), mask)
 
     return _per_client(one, apply_fn, params, data)

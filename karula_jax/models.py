@@ -35,6 +35,7 @@ from karula_jax._checks import (
     check_floating_dtype,
     check_nonnegative,
     check_positive_int,
+    check_targets,
     is_concrete,
 )
 from karula_jax._smoothness import linear_smoothness
@@ -138,6 +139,7 @@ def cross_entropy_loss(apply_fn: ApplyFn) -> Callable:
 
     def loss(params, x, y, mask):
         logits = apply_fn(params, x)
+        check_targets(y, logits.shape[:-1], "the logits' rows")
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
         return _masked_mean(logz - picked, mask)
@@ -163,6 +165,7 @@ def accuracy(apply_fn: ApplyFn) -> Callable:
 
     def acc(params, x, y, mask):
         pred = jnp.argmax(apply_fn(params, x), axis=-1)
+        check_targets(y, pred.shape, "the logits' rows")
         return _masked_mean((pred == y).astype(jnp.float32), mask)
 
     return acc
@@ -249,7 +252,9 @@ def ridge_loss(lam: float) -> Callable:
     lam = _check_lam(lam)
 
     def loss(theta, x, y, mask):
-        resid = _linear(theta, x) - y
+        pred = _linear(theta, x)
+        check_targets(y, pred.shape, "the predictions x . theta")
+        resid = pred - y
         return 0.5 * _masked_mean(resid**2, mask) + 0.5 * lam * jnp.sum(theta**2)
 
     loss.smoothness = functools.partial(ridge_smoothness, lam=lam)
@@ -316,6 +321,7 @@ def logistic_loss(lam: float) -> Callable:
 
     def loss(params, x, y, mask):
         z = _linear(params["w"], x) + params["b"]
+        check_targets(y, z.shape, "the logits x . w + b")
         nll = jax.nn.softplus(z) - y.astype(z.dtype) * z
         return _masked_mean(nll, mask) + 0.5 * lam * jnp.sum(params["w"] ** 2)
 
@@ -326,4 +332,5 @@ def logistic_loss(lam: float) -> Callable:
 def logistic_accuracy(params, x, y, mask) -> jnp.ndarray:
     """Fraction of real rows with ``(x . w + b > 0) == y`` (a ``LossFn``-shaped metric)."""
     z = _linear(params["w"], x) + params["b"]
+    check_targets(y, z.shape, "the logits x . w + b")
     return _masked_mean(((z > 0) == (y > 0.5)).astype(jnp.float32), mask)

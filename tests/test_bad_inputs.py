@@ -216,6 +216,20 @@ CASES = [
                                                    num_classes=0), ValueError, "num_classes"),
     ("num_classes float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
                                                        num_classes=2.5), TypeError, "num_classes"),
+    # ---- targets as a column [N_i, 1] against predictions [N_i]: broadcast into [N, N]
+    ("ridge loss column targets", lambda p: LOSS(THETA, X[0], Y[0][:, None], DATA.mask[0]),
+     ValueError, r"y must hold one target per row, shape \(4,\)"),
+    ("fedavg init column targets", lambda p: ALGOS["fedavg"]().init(
+        THETA, DATA._replace(y=Y[..., None]), key=KEY), ValueError, "one target per row"),
+    ("logistic loss column targets", lambda p: models.logistic_loss(0.1)(
+        {"w": THETA, "b": jnp.zeros(())}, X[0], Y[0][:, None], DATA.mask[0]), ValueError,
+     "one target per row"),
+    ("mse column targets", lambda p: kj.evaluation.mean_squared_error(
+        lambda t, x: x @ t, jnp.zeros((N, DIM)), DATA._replace(y=Y[..., None])), ValueError,
+     "one target per row"),
+    ("r2 column targets", lambda p: kj.evaluation.r2_score(
+        lambda t, x: x @ t, jnp.zeros((N, DIM)), DATA._replace(y=Y[..., None])), ValueError,
+     "one target per row"),
     ("num_classes past int32", lambda p: from_client_arrays(
         [np.ones((2, 2))], [np.array([0, 2**40])], num_classes=2**41), ValueError, "num_classes"),
     ("max_count float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
