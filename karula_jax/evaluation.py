@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax._checks import check_targets, personalized_flags
+from karula_jax._checks import check_targets, concrete, personalized_flags
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -76,6 +76,31 @@ def fold_ids(counts: jnp.ndarray, max_count: int, num_folds: int, *, key: jax.Ar
     return jnp.where(real, rank % num_folds, -1).astype(jnp.int32)
 
 
+def check_fold_ids(counts, num_folds: int, folds) -> None:
+    """Explicit fold ids ``[..., n, N]`` for clients with ``counts`` rows ``[..., n]``:
+    ids in ``[0, K)`` on real rows and ``-1`` on padding (another id on a real row left
+    it never validated or dropped it; an id on padding trained on a padding row). Skipped
+    when traced.
+
+    Raises:
+      ValueError: naming ``folds`` and what was found.
+    """
+    c, f = concrete(counts), concrete(folds)
+    if c is None or f is None:
+        return
+    if f.shape[:-1] != c.shape:
+        raise ValueError(f"folds must have shape {c.shape} + [N], got {f.shape}")
+    real = np.arange(f.shape[-1]) < c[..., None]
+    bad_real = real & ((f < 0) | (f >= num_folds))
+    if bad_real.any():
+        raise ValueError(
+            f"folds must hold ids in [0, {num_folds}) on real rows, found "
+            f"{sorted(set(f[bad_real].tolist()))[:5]}"
+        )
+    if (~real & (f != -1)).any():
+        raise ValueError("folds must be -1 on padding rows (beyond each client's count)")
+
+
 def _take_rows(data: ClientData, keep: jnp.ndarray) -> ClientData:
     """The rows where ``keep`` ``[n, N_max]`` is True, in order, packed at the front."""
     order = jnp.argsort(~keep, axis=1, stable=True)
@@ -107,10 +132,13 @@ def kfold_split(
       data: one data set, leaves ``[n, N_max, ...]``.
       num_folds: ``K`` (static).
       key: PRNG key of the random folds (:func:`fold_ids`); or
-      folds: a given fold per row, int ``[n, N_max]`` (``-1`` on padding).
+      folds: a given fold per row, int ``[n, N_max]``: ids in ``[0, K)`` on real rows,
+        ``-1`` on padding (checked when concrete, :func:`check_fold_ids`).
 
     Returns:
-      ``(train, validation)``: :class:`ClientData` with leaves ``[K, n, N_max, ...]``.
+      ``(train, validation)``: :class:`ClientData` with leaves ``[K, n, N_max, ...]``. A
+      client with fewer than ``K`` rows has empty folds here (the study-level
+      :func:`karula_jax.protocol.cv_datasets` refuses it).
     """
     if (key is None) == (folds is None):
         raise ValueError("pass exactly one of key= and folds=")
@@ -121,6 +149,7 @@ def kfold_split(
     folds = jnp.asarray(folds)
     if folds.shape != data.x.shape[:2]:
         raise ValueError(f"folds must have shape {data.x.shape[:2]}, got {folds.shape}")
+    check_fold_ids(data.counts, num_folds, folds)
 
     def one(f):
         return _take_rows(data, (folds >= 0) & (folds != f)), _take_rows(data, folds == f)

@@ -216,6 +216,22 @@ CASES = [
                                                    num_classes=0), ValueError, "num_classes"),
     ("num_classes float", lambda p: from_client_arrays([np.ones((2, 2))], [np.zeros(2)],
                                                        num_classes=2.5), TypeError, "num_classes"),
+    # ---- K-fold splits: clients smaller than K, fold ids out of range
+    ("cv_datasets folds beyond a client", lambda p: protocol.cv_datasets(
+        protocol.stack_datasets([DATA]), protocol.stack_datasets([DATA]), 3,
+        key=jax.random.split(KEY, 1)), ValueError, r"num_folds=3 exceeds the smallest client's 2"),
+    ("kfold_split fold id >= K", lambda p: kj.evaluation.kfold_split(
+        DATA, 2, folds=jnp.array([[0, 1, -1, -1], [0, 1, 2, 0], [0, 1, 0, -1]])), ValueError,
+     r"folds must hold ids in \[0, 2\) on real rows, found \[2\]"),
+    ("kfold_split -1 on a real row", lambda p: kj.evaluation.kfold_split(
+        DATA, 2, folds=jnp.array([[0, -1, -1, -1], [0, 1, 1, 0], [0, 1, 0, -1]])), ValueError,
+     r"found \[-1\]"),
+    ("kfold_split id on padding", lambda p: kj.evaluation.kfold_split(
+        DATA, 2, folds=jnp.array([[0, 1, 0, -1], [0, 1, 1, 0], [0, 1, 0, -1]])), ValueError,
+     "-1 on padding"),
+    ("member_dissimilarities empty client", lambda p: protocol.member_dissimilarities(
+        protocol.stack_datasets([DATA._replace(counts=jnp.array([2, 0, 3], jnp.int32))]), KEY,
+        num_reference=5), ValueError, "member 0's client 1 has none"),
     # ---- targets as a column [N_i, 1] against predictions [N_i]: broadcast into [N, N]
     ("ridge loss column targets", lambda p: LOSS(THETA, X[0], Y[0][:, None], DATA.mask[0]),
      ValueError, r"y must hold one target per row, shape \(4,\)"),
