@@ -654,3 +654,39 @@ def test_a_number_of_groups_from_the_number_of_clients_on_is_a_natural_limit():
     assert list(told["FedProx"].edge(np.array([0, 1]))) == [True, True]
     with pytest.raises(ValueError, match="num_clients"):
         build_methods(names, loss=loss, rates=rates, grids=grids, num_clients=0, **local)
+
+
+def test_build_methods_reads_array_grids_and_refuses_what_it_would_drop():
+    """A 1-D numpy or JAX array or a range is a grid like a tuple (it was read as one fixed
+    value, and the run failed later on a non-scalar t); an empty grid, a misspelt setting
+    (silently dropped before), a string or repeated names are refused naming them."""
+    loss = ridge_loss(1e-3)
+    rates = {k: (lambda L=1.0, **_: 0.1 / L) for k in ("karula", "fedavg", "fedprox")}
+    local = dict(clients_per_round=2, batch_size=8, local_steps=2)
+    for grid in (np.array([0.5, 2.0]), jnp.array([0.5, 2.0]), (0.5, 2.0)):
+        m = build_methods(("Karula",), loss=loss, rates=rates, grids={"Karula": grid}, **local)
+        assert m["Karula"].labels() == ["t=0.5", "t=2"]
+    m = build_methods(("FedProx",), loss=loss, rates=rates, grids={"FedProx": range(1, 3)}, **local)
+    assert m["FedProx"].labels() == ["mu=1", "mu=2"]
+    fixed = build_methods(("Karula",), loss=loss, rates=rates, grids={"Karula": np.float32(2)})
+    assert not fixed["Karula"].tuned
+    with pytest.raises(ValueError, match="grid of t is empty"):
+        build_methods(("Karula",), loss=loss, rates=rates, grids={"Karula": ()}, **local)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        build_methods(("Karula",), loss=loss, rates=rates, grids={"Karula": np.ones((2, 2))})
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['local_step'\]"):
+        build_methods(("FedAvg",), loss=loss, rates=rates, clients_per_round=2, local_step=1)
+    with pytest.raises(TypeError, match="the string 'FedAvg'"):
+        build_methods("FedAvg", loss=loss, rates=rates)
+    with pytest.raises(ValueError, match=r"\['FedAvg'\] more than once"):
+        build_methods(("FedAvg", "Karula", "FedAvg"), loss=loss, rates=rates)
+
+
+def test_register_checks_the_row_when_it_is_registered():
+    with pytest.raises(TypeError, match="row must be a MethodRow, got tuple"):
+        register(("Mine", A.fedavg))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        register(MethodRow("Mine, bad kind", A.fedavg, kind="static-ish"))
+    with pytest.raises(TypeError, match="row.name must be a string"):
+        register(MethodRow(3, A.fedavg))
+    assert "Mine, bad kind" not in REGISTRY and 3 not in REGISTRY

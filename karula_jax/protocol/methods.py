@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from karula_jax import algorithms as A
@@ -265,8 +266,15 @@ class MethodRow(NamedTuple):
             return Method(make)
         if grid is None:
             raise ValueError(f"{self.name}: no grid or value of {self.hyper} (row or study)")
+        if isinstance(grid, np.ndarray | jax.Array | range):  # a 1-D array is a grid too
+            values = np.asarray(grid)
+            if values.ndim > 1:
+                raise ValueError(f"{self.name}: a grid must be 1-D, got shape {values.shape}")
+            grid = tuple(values.tolist()) if values.ndim else values.item()
         if not isinstance(grid, tuple | list):  # a fixed value
             return Method(functools.partial(make, **{self.hyper: grid}))
+        if not grid:
+            raise ValueError(f"{self.name}: the grid of {self.hyper} is empty")
         shown, hyper = self.shown or self.hyper, self.hyper
         if self.bound is not None:
             make = functools.partial(make, **{self.bound: max(grid)})
@@ -421,8 +429,15 @@ def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
     """Adds ``row`` to :data:`REGISTRY` (``replace``: over a row of the same name).
 
     Raises:
-      ValueError: a row named ``row.name`` exists and not ``replace``.
+      TypeError: ``row`` is not a :class:`MethodRow` or its name not a string.
+      ValueError: a row named ``row.name`` exists and not ``replace``; an unknown ``kind``.
     """
+    if not isinstance(row, MethodRow):
+        raise TypeError(f"row must be a MethodRow, got {type(row).__name__}")
+    if not isinstance(row.name, str):
+        raise TypeError(f"row.name must be a string, got {row.name!r}")
+    if row.kind not in GRID_KINDS:
+        raise ValueError(f"{row.name}: kind must be one of {GRID_KINDS}, got {row.kind!r}")
     if row.name in REGISTRY and not replace:
         raise ValueError(f"a method named {row.name!r} is registered; pass replace=True")
     REGISTRY[row.name] = row
@@ -467,15 +482,25 @@ def build_methods(
       ``{name: Method}``.
 
     Raises:
-      ValueError: a name is not registered; a row's rate rule is missing from ``rates``;
-        ``num_clients < 1``.
-      TypeError: ``num_clients`` is not an int.
+      ValueError: a name is not registered or given twice; a row's rate rule is missing
+        from ``rates``; ``num_clients < 1``; an empty grid.
+      TypeError: ``names`` is a string; ``num_clients`` is not an int; a setting that no
+        registered row takes (a misspelt ``local_steps`` was dropped silently).
     """
     registry = REGISTRY if registry is None else registry
     grids, options = grids or {}, options or {}
+    if isinstance(names, str):
+        raise TypeError(f"names must be a sequence of method names, got the string {names!r}")
     unknown = [name for name in [*names, *grids, *options] if name not in registry]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; registered: {list(registry)}")
+    twice = sorted({name for name in names if list(names).count(name) > 1})
+    if twice:
+        raise ValueError(f"names must be distinct, got {twice} more than once")
+    taken = {k for row in registry.values() for k in row.settings}
+    stray = sorted(set(settings) - taken)
+    if stray:
+        raise TypeError(f"unknown setting(s) {stray}; the rows take {sorted(taken)}")
     rows = {name: registry[name] for name in names}
     if num_clients is not None:
         n = check_positive_int("num_clients", num_clients)
