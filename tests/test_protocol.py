@@ -690,3 +690,24 @@ def test_register_checks_the_row_when_it_is_registered():
     with pytest.raises(TypeError, match="row.name must be a string"):
         register(MethodRow(3, A.fedavg))
     assert "Mine, bad kind" not in REGISTRY and 3 not in REGISTRY
+
+
+def test_cross_validate_names_a_bad_score_and_a_grid_without_folds():
+    """A score that forgets to average over clients (or returns a scalar) is named with
+    the shape it must return, not as another argument's error; a grid on data without
+    folds (``num_folds=0``) is refused before any training."""
+    S, K = 2, 2
+    train = stack_datasets([_data(s, (8, 6, 10)) for s in range(S)])
+    test = stack_datasets([_data(10 + s, (4, 4, 4)) for s in range(S)])
+    keys = jax.random.split(jax.random.key(2), S)
+    loss, linear = ridge_loss(0.01), lambda th, x: x @ th
+    method = Method(lambda lr: A.local(loss, learning_rate=lr, batch_size=10), {"lr": [0.1, 0.5]})
+    kw = dict(keys=keys, num_rounds=2, progress=False)
+    kw["eval_fn"] = lambda th, d: {"mse": ev.mean_squared_error(linear, th, d)}
+    cv = cv_datasets(train, test, K, key=jax.random.split(jax.random.key(1), S))
+    for bad in (lambda m: m["mse"], lambda m: m["mse"].mean()):
+        with pytest.raises(ValueError, match=r"score must map .* \[S, K, G\] = \(2, 2, 2\)"):
+            cross_validate(method, jnp.zeros(2), cv, score=bad, **kw)
+    no_folds = cv_datasets(train, test, 0)
+    with pytest.raises(ValueError, match="needs folds to choose on"):
+        cross_validate(method, jnp.zeros(2), no_folds, score=lambda m: m["mse"].mean(-1), **kw)

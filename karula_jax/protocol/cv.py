@@ -169,6 +169,12 @@ def cross_validate(
     S, K = data.num_seeds, data.num_folds
     if method.tuned and score is None:
         raise ValueError("score is required for a method with a grid")
+    if method.tuned and K == 0:
+        raise ValueError(
+            "a method with a grid needs folds to choose on, but data has num_folds=0 (the "
+            "final fits only): build data with cv_datasets(..., num_folds >= 2) or fix the "
+            "hyperparameter (a single value instead of a grid)"
+        )
     members, final = _layout(method.tuned, S, K, final_fits)
     final_params = final_params and final_fits
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
@@ -275,7 +281,14 @@ def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
     if not method.tuned:
         return np.zeros(S, dtype=int), None, none, none
     valid = val["finite"]
-    sel = ev.select_by_cv(score(val), fold_weights=fold_weights, valid=valid, maximize=maximize)
+    scores = np.asarray(score(val))
+    if scores.shape != valid.shape:  # [S, K, G]
+        raise ValueError(
+            f"score must map the validation metrics {{name: [S, K, G, ...]}} to scores "
+            f"[S, K, G] = {valid.shape}, got shape {scores.shape} (average over clients, "
+            f"e.g. m['mse'].mean(-1))"
+        )
+    sel = ev.select_by_cv(scores, fold_weights=fold_weights, valid=valid, maximize=maximize)
     edge = method.edge(sel.index)
     one_axis = method.edges is None
     plateau = edge & ev.grid_plateau(sel.index, sel.score) if one_axis else none
