@@ -58,6 +58,7 @@ LOSS = models.ridge_loss(0.1)
 THETA = jnp.zeros(DIM)
 D = jnp.ones((N, N)) - jnp.eye(N)
 HP = {"learning_rate": 0.1, "clients_per_round": 2, "batch_size": 2}
+HP_NO_RATE = {"clients_per_round": 2, "batch_size": 2}
 ALGOS = {
     "karula": lambda **kw: karula(LOSS, D, **{"t": 1.0, **HP, **kw}),
     "local": lambda **kw: local(LOSS, learning_rate=0.1, batch_size=2, **kw),
@@ -1026,3 +1027,22 @@ def test_karula_trains_on_a_D_symmetric_to_its_tolerance():
         alg = karula(LOSS, bad, t=0.01, **HP)
         res = training.run(alg, THETA, DATA, key=KEY, num_rounds=3, progress=False)
         assert np.isfinite(np.asarray(jax.tree.leaves(res.state.params)[0])).all()
+
+
+def test_mean_normalized_leaves_a_matrix_without_spread_as_it_is():
+    """Identical clients (every off-diagonal entry 0) and n = 1 have no scale: D stays as
+    it is (0 / 0 made it all NaN); other matrices are divided by their off-diagonal mean."""
+    for D in (np.zeros((3, 3)), np.zeros((1, 1)), jnp.zeros((2, 4, 4))):
+        out = protocol.mean_normalized(D)
+        assert np.all(np.asarray(out) == 0) and type(out) is type(D)
+    D = np.array([[0.0, 2.0, 4.0], [2.0, 0.0, 6.0], [4.0, 6.0, 0.0]])
+    np.testing.assert_allclose(protocol.mean_normalized(D), D / 4.0)
+    stacked = jnp.stack([jnp.zeros((3, 3)), jnp.asarray(D, jnp.float32)])
+    np.testing.assert_allclose(protocol.mean_normalized(stacked)[1], D / 4.0, rtol=1e-6)
+
+
+def test_vmap_algorithm_names_a_single_key():
+    make = lambda learning_rate: fedavg(LOSS, learning_rate=learning_rate, **HP_NO_RATE)  # noqa: E731
+    alg = training.vmap_algorithm(make, {"learning_rate": jnp.array([0.01, 0.1])})
+    with pytest.raises(ValueError, match=r"key must be stacked keys \[S\]"):
+        alg.init(THETA, DATA, key=KEY)

@@ -158,9 +158,13 @@ def _check_fold_sizes(counts: np.ndarray, num_folds: int) -> None:
 def mean_normalized(D):
     """Each ``[n, n]`` matrix of ``D`` (``[..., n, n]``, zero diagonal) divided by its mean
     off-diagonal entry, so that a grid of ``t`` means the same across data sets. Works on
-    numpy and JAX arrays alike (computed in ``D``'s own dtype)."""
+    numpy and JAX arrays alike (computed in ``D``'s own dtype). A matrix without a positive
+    off-diagonal entry (identical clients, or n = 1) has no scale and stays as it is (it
+    was 0 / 0, all NaN)."""
     n = D.shape[-1]
-    return D / (D.sum(axis=(-2, -1), keepdims=True) / (n * (n - 1)))
+    mean = D.sum(axis=(-2, -1), keepdims=True) / max(n * (n - 1), 1)
+    where = np.where if isinstance(D, np.ndarray) else jnp.where
+    return D / where(mean > 0, mean, 1).astype(mean.dtype)
 
 
 def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tuple[Any, Any]:

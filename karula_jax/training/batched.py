@@ -396,8 +396,12 @@ def vmap_algorithm(
     inner = _members(
         make_algorithm, hyper, grid, data_per_seed=data_per_seed, params_per_seed=params_per_seed
     )
+
+    def init(params, data, *, key):
+        return inner.init(params, (data, kw), key=_check_keys(key, "key")[0])
+
     return Algorithm(
-        init=lambda params, data, *, key: inner.init(params, (data, kw), key=key),
+        init=init,
         round=lambda state, data: inner.round(state, (data, kw)),
         client_params=lambda state, data: inner.client_params(state, (data, kw)),
     )
@@ -461,13 +465,15 @@ def _check_run_options(run_kwargs: Mapping[str, Any], shard: str) -> dict[str, A
     return {**_RUN_OPTIONS, **run_kwargs}
 
 
-def _check_keys(keys) -> tuple[jax.Array, int]:
-    """``keys`` as stacked keys ``[S]`` (typed or raw ``[S, 2]``) and ``S``."""
+def _check_keys(keys, name: str = "keys") -> tuple[jax.Array, int]:
+    """``keys`` as stacked keys ``[S]`` (typed or raw ``[S, 2]``) and ``S``; ``name``: the
+    argument's, in the error."""
     keys = keys if ckpt.is_key(keys) else jnp.asarray(keys)
     key_batch_ndim = 1 if ckpt.is_key(keys) else 2
     if keys.ndim != key_batch_ndim:
         raise ValueError(
-            f"keys must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape {keys.shape}"
+            f"{name} must be stacked keys [S] (e.g. jax.random.split(key, S)), got shape "
+            f"{keys.shape}"
         )
     return keys, keys.shape[0]
 
