@@ -167,14 +167,7 @@ def cross_validate(
       A :class:`CVOutcome`.
     """
     S, K = data.num_seeds, data.num_folds
-    if method.tuned and score is None:
-        raise ValueError("score is required for a method with a grid")
-    if method.tuned and K == 0:
-        raise ValueError(
-            "a method with a grid needs folds to choose on, but data has num_folds=0 (the "
-            "final fits only): build data with cv_datasets(..., num_folds >= 2) or fix the "
-            "hyperparameter (a single value instead of a grid)"
-        )
+    _check_tuning(method, score, K)
     members, final = _layout(method.tuned, S, K, final_fits)
     final_params = final_params and final_fits
     take = lambda tree: jax.tree.map(lambda a: a[members], tree)
@@ -270,6 +263,18 @@ def _split_metrics(parts, S: int, K: int, final_fits: bool):
     if final_fits:
         return val, {k: v[:, -1] for k, v in m.items() if k != "finite"}, m["finite"][:, -1]
     return val, {k: v.mean(1) for k, v in val.items() if k != "finite"}, val["finite"].all(1)
+
+
+def _check_tuning(method: Method, score, num_folds: int) -> None:
+    """A method with a grid needs a score and folds to choose on (before any training)."""
+    if method.tuned and score is None:
+        raise ValueError("score is required for a method with a grid")
+    if method.tuned and num_folds == 0:
+        raise ValueError(
+            "a method with a grid needs folds to choose on, but data has num_folds=0 (the "
+            "final fits only): build data with cv_datasets(..., num_folds >= 2) or fix the "
+            "hyperparameter (a single value instead of a grid)"
+        )
 
 
 def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
