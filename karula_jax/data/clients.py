@@ -184,6 +184,14 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def _half_precision(dtype) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16 (False for what is not a dtype at all)."""
+    try:
+        return np.dtype(dtype).name in ("float16", "bfloat16")
+    except TypeError:
+        return False
+
+
 def from_client_arrays(
     xs: Sequence[np.ndarray],
     ys: Sequence[np.ndarray],
@@ -202,9 +210,10 @@ def from_client_arrays(
         ``[0, num_classes)`` and are stored as int32.
       max_count: pad to this many rows instead of ``max_i N_i`` (useful to keep shapes
         static across data sets); must be at least ``max_i N_i``.
-      dtype: floating dtype for features (and regression targets); values are checked
-        to be finite after the cast to it (as JAX stores it: float64 is float32 unless
-        x64 is enabled).
+      dtype: float32 or float64, for features (and regression targets); values are
+        checked to be finite after the cast to it (as JAX stores it: float64 is float32
+        unless x64 is enabled). Half precisions are refused: the step-size rules and
+        solvers run LAPACK, which has no float16 or bfloat16.
 
     Returns:
       The padded :class:`ClientData`.
@@ -214,8 +223,13 @@ def from_client_arrays(
         NaN/infinite values (also values that overflow ``dtype``), labels that are not
         integers in range, or a bad ``num_classes``/``max_count``.
       TypeError: when an element is not array-like, is complex or not numeric, or when
-        ``dtype`` is not a floating dtype.
+        ``dtype`` is not float32 or float64.
     """
+    if _half_precision(dtype):
+        raise TypeError(
+            f"dtype must be float32 or float64, got {np.dtype(dtype).name} (half precision "
+            f"is not supported: the step-size rules and solvers run LAPACK, which has none)"
+        )
     # What JAX will store (float64 becomes float32 unless x64 is enabled).
     dt = np.dtype(jax.dtypes.canonicalize_dtype(check_floating_dtype("dtype", dtype)))
     if num_classes is not None:
