@@ -414,7 +414,9 @@ def accuracy(apply_fn: ApplyFn, params: Any, data: ClientData) -> jnp.ndarray:
     def one(z, y, mask):
         pred = jnp.argmax(z, axis=-1) if z.ndim == 2 else (z > 0).astype(jnp.int32)
         check_targets(y, pred.shape, "apply_fn's rows")
-        return _masked_mean((pred == y).astype(jnp.float32), mask)
+        real = mask.reshape(mask.shape + (1,) * (z.ndim - 1))
+        diverged = jnp.any(jnp.where(real, ~jnp.isfinite(z), False))  # argmax(NaN) = 0
+        return jnp.where(diverged, jnp.nan, _masked_mean((pred == y).astype(jnp.float32), mask))
 
     return _per_client(one, apply_fn, params, data)
 

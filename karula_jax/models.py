@@ -113,8 +113,33 @@ def _masked_mean(values: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
     # Empty masks give 0, not NaN: a client with no real row in a minibatch must not poison
     # the round.
     # ``where`` rather than a product: inf or NaN in a padded row must not leak (inf * 0).
+    # The mask must be bool [B] like the rows: a [B, 1] mask broadcast into [B, B], a float
+    # one weighted the rows (static checks: also when traced).
+    if jnp.shape(mask) != jnp.shape(values):
+        raise ValueError(f"mask must have shape {jnp.shape(values)}, got {jnp.shape(mask)}")
+    if jnp.result_type(mask) != jnp.bool_:
+        raise TypeError(f"mask must be boolean (real rows), got dtype {jnp.result_type(mask)}")
     total = jnp.sum(jnp.where(mask, values, 0.0))
     return total / jnp.maximum(jnp.sum(mask.astype(values.dtype)), 1.0)
+
+
+def _logits_2d(logits):
+    """``logits`` ``[B, C]``; a ValueError otherwise (labels per position ``[B, T]``
+    were read at position 0 only): flatten such rows first."""
+    if logits.ndim != 2:
+        raise ValueError(
+            f"apply_fn must return logits [B, C] (one row of class scores per example), got "
+            f"shape {logits.shape}; flatten per-position outputs to rows first"
+        )
+    return logits
+
+
+def _nan_if_nonfinite(score, outputs, mask):
+    """``score``, or NaN where a real row's outputs hold NaN or inf: a diverged model has no
+    accuracy (``argmax`` of NaN logits is class 0, which counted as right for label 0)."""
+    real = mask.reshape(mask.shape + (1,) * (outputs.ndim - mask.ndim))
+    bad = jnp.any(jnp.where(real, ~jnp.isfinite(outputs), False))
+    return jnp.where(bad, jnp.nan, score)
 
 
 def _check_apply(apply_fn) -> None:
@@ -133,16 +158,18 @@ def cross_entropy_loss(apply_fn: ApplyFn) -> Callable:
       ``[B]``: ``sum_b mask_b * (logsumexp(z_b) - z_b[y_b]) / max(sum_b mask_b, 1)``.
       ``y`` must lie in ``[0, C)`` for ``C`` logits: ``loss.num_classes(params, x)`` gives
       ``C`` from shapes, and every algorithm's ``init`` checks the data's labels with it
-      (a label outside the classes would otherwise give a NaN loss).
+      (a real row's label outside the classes gives a NaN loss).
     """
     _check_apply(apply_fn)
 
     def loss(params, x, y, mask):
-        logits = apply_fn(params, x)
+        logits = _logits_2d(apply_fn(params, x))
         check_targets(y, logits.shape[:-1], "the logits' rows")
         logz = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
-        return _masked_mean(logz - picked, mask)
+        label = y.astype(jnp.int32)
+        picked = jnp.take_along_axis(logits, label[:, None], axis=-1)[:, 0]
+        inside = (label >= 0) & (label < logits.shape[-1])  # -1 would wrap to the last class
+        return _masked_mean(jnp.where(inside, logz - picked, jnp.nan), mask)
 
     def num_classes(params, x) -> int:
         """``C``, the number of logits of the model on rows ``x`` (shapes only)."""
@@ -164,9 +191,10 @@ def accuracy(apply_fn: ApplyFn) -> Callable:
     _check_apply(apply_fn)
 
     def acc(params, x, y, mask):
-        pred = jnp.argmax(apply_fn(params, x), axis=-1)
+        logits = _logits_2d(apply_fn(params, x))
+        pred = jnp.argmax(logits, axis=-1)
         check_targets(y, pred.shape, "the logits' rows")
-        return _masked_mean((pred == y).astype(jnp.float32), mask)
+        return _nan_if_nonfinite(_masked_mean((pred == y).astype(jnp.float32), mask), logits, mask)
 
     return acc
 
@@ -333,4 +361,6 @@ def logistic_accuracy(params, x, y, mask) -> jnp.ndarray:
     """Fraction of real rows with ``(x . w + b > 0) == y`` (a ``LossFn``-shaped metric)."""
     z = _linear(params["w"], x) + params["b"]
     check_targets(y, z.shape, "the logits x . w + b")
-    return _masked_mean(((z > 0) == (y > 0.5)).astype(jnp.float32), mask)
+    return _nan_if_nonfinite(
+        _masked_mean(((z > 0) == (y > 0.5)).astype(jnp.float32), mask), z, mask
+    )

@@ -1050,3 +1050,33 @@ def test_vmap_algorithm_names_a_single_key():
     alg = training.vmap_algorithm(make, {"learning_rate": jnp.array([0.01, 0.1])})
     with pytest.raises(ValueError, match=r"key must be stacked keys \[S\]"):
         alg.init(THETA, DATA, key=KEY)
+
+
+def test_losses_check_the_mask_labels_and_logits_and_diverged_models_have_no_accuracy():
+    """A mask ``[B, 1]`` broadcast the loss into ``[B, B]`` and a float mask weighted rows;
+    per-position logits ``[B, T, C]`` were read at position 0; label -1 wrapped to the last
+    class; a NaN model scored the share of label-0 rows as its accuracy."""
+    net = models.mlp(hidden=4, num_classes=3)
+    p = models.init_params(net, KEY, (1, 5))
+    ce, acc = models.cross_entropy_loss(net.apply), models.accuracy(net.apply)
+    x, y = jax.random.normal(KEY, (6, 5)), jnp.array([0, 1, 2, 0, 1, 2])
+    mask = jnp.ones(6, bool)
+    assert np.isfinite(float(ce(p, x, y, mask)))
+    with pytest.raises(ValueError, match=r"mask must have shape \(6,\), got \(6, 1\)"):
+        ce(p, x, y, mask[:, None])
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        LOSS(THETA, X[0], Y[0], jnp.full(4, 0.5))
+    with pytest.raises(ValueError, match=r"logits \[B, C\]"):
+        ce(p, x.reshape(2, 3, 5), y.reshape(2, 3), mask.reshape(2, 3))
+    assert np.isnan(float(ce(p, x, y.at[0].set(-1), mask)))
+    assert np.isfinite(float(ce(p, x, y.at[0].set(-1), mask.at[0].set(False))))  # padding
+    nan_p = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), p)
+    assert np.isnan(float(acc(nan_p, x, y, mask)))
+    logistic = {"w": jnp.full((DIM,), jnp.nan), "b": jnp.zeros(())}
+    assert np.isnan(float(models.logistic_accuracy(logistic, X[0], Y[0], DATA.mask[0])))
+    per_client = kj.evaluation.accuracy(
+        net.apply,
+        jax.tree.map(lambda a: a[None], nan_p),
+        ClientData(x[None], y[None], jnp.array([6])),
+    )
+    assert np.isnan(np.asarray(per_client)).all()
