@@ -370,3 +370,27 @@ def test_checkpoint_survives_a_kill_mid_write_and_run_cleans_up(tmp_path):
         progress=False,
     )
     assert sorted(os.listdir(tmp_path)) == [training.CHECKPOINT_NAME]
+
+
+def test_save_refuses_what_it_cannot_store_and_load_keeps_64_bit_values(tmp_path):
+    """An object array would be pickled by np.savez (then reported 'corrupt' on load): it is
+    refused when saving, naming it; extra_meta may not overwrite the format's own fields
+    (rounds_done=500 replaced the real 2); a 64-bit leaf without x64 comes back as the
+    numpy array it was (jnp.asarray narrowed 2**40 + 7 to 7)."""
+    from karula_jax.training import load_checkpoint, save_checkpoint
+
+    path = tmp_path / "c.npz"
+    objects = np.array([{"x": 1}], dtype=object)
+    with pytest.raises(TypeError, match="metric 'm' has dtype object"):
+        save_checkpoint(path, {"a": jnp.ones(2)}, rounds_done=1, metrics={"m": objects})
+    with pytest.raises(TypeError, match="state leaf 0 has dtype"):
+        save_checkpoint(path, {"a": np.array(["x"])}, rounds_done=1)
+    with pytest.raises(ValueError, match=r"\['rounds_done'\]"):
+        save_checkpoint(path, {"a": jnp.ones(2)}, rounds_done=2, extra_meta={"rounds_done": 500})
+    big = {"n": np.array([2**40 + 7], np.int64), "w": jnp.ones(2)}
+    save_checkpoint(path, big, rounds_done=2, extra_meta={"note": "ok"})
+    state, _, meta = load_checkpoint(path, big)
+    assert meta["rounds_done"] == 2 and meta["note"] == "ok"
+    if not jax.config.jax_enable_x64:
+        assert state["n"].dtype == np.int64 and int(state["n"][0]) == 2**40 + 7
+    np.testing.assert_array_equal(state["w"], np.ones(2))

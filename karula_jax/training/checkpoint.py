@@ -152,6 +152,27 @@ def algorithm_fingerprint(init: Callable, round_: Callable, template, params, da
     return h.hexdigest()
 
 
+# Header fields the format writes itself (``extra_meta`` may not set them).
+_RESERVED_META = (
+    "format",
+    "rounds_done",
+    "treedef",
+    "leaves",
+    "has_info",
+    "info_fields",
+    "metric_names",
+)
+
+
+def _numeric(what: str, value) -> np.ndarray:
+    """``value`` as a numeric numpy array; a TypeError naming ``what`` otherwise
+    (``np.savez`` pickles an object array, which this format never holds)."""
+    a = np.asarray(value)
+    if a.dtype.kind not in "biufc":
+        raise TypeError(f"checkpoint arrays must be numeric, {what} has dtype {a.dtype}")
+    return a
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     state: Any,
@@ -175,7 +196,13 @@ def save_checkpoint(
       info: round-info history (leaves ``[rounds_done, ...]``) or ``None``.
       metrics: metric history, name -> ``[num_evals, ...]``.
       metric_rounds: ``[num_evals]`` rounds at which metrics were taken.
-      extra_meta: JSON-serializable values stored in the header.
+      extra_meta: JSON-serializable values stored in the header (not the format's own
+        fields: ``rounds_done``, ``format``...).
+
+    Raises:
+      TypeError: ``rounds_done`` not an int; a leaf, info field or metric that is not
+        numeric (``np.savez`` would pickle an object array).
+      ValueError: ``rounds_done < 0``; ``extra_meta`` setting one of the format's fields.
     """
     path = os.fspath(path)
     if isinstance(rounds_done, bool) or not isinstance(rounds_done, int | np.integer):
@@ -189,16 +216,19 @@ def save_checkpoint(
     for i, leaf in enumerate(leaves):
         specs.append(_leaf_spec(leaf))
         value = jax.random.key_data(leaf) if is_key(leaf) else leaf
-        arrays[f"state_{i:04d}"] = np.asarray(jax.device_get(value))
+        arrays[f"state_{i:04d}"] = _numeric(f"state leaf {i}", jax.device_get(value))
     if info is not None:
         for name, value in zip(info._fields, info, strict=True):
-            arrays[f"info_{name}"] = np.asarray(value)
+            arrays[f"info_{name}"] = _numeric(f"info field {name}", value)
     metrics = dict(metrics or {})
     names = sorted(metrics)
     for i, name in enumerate(names):
-        arrays[f"metric_{i:04d}"] = np.asarray(metrics[name])
+        arrays[f"metric_{i:04d}"] = _numeric(f"metric {name!r}", metrics[name])
     if metric_rounds is not None:
         arrays["metric_rounds"] = np.asarray(metric_rounds, dtype=np.int64)
+    reserved = sorted(set(extra_meta or {}) & set(_RESERVED_META))
+    if reserved:
+        raise ValueError(f"extra_meta must not set the checkpoint's own fields {reserved}")
     meta = {
         "format": _FORMAT,
         "rounds_done": int(rounds_done),
@@ -318,6 +348,8 @@ def _read_leaf(files: dict, path: str, i: int, spec: dict, ref) -> jax.Array:
     value = _entry(files, f"state_{i:04d}", spec["shape"])
     if str(value.dtype) != spec["dtype"]:
         raise _Corrupt(f"array state_{i:04d} has dtype {value.dtype}")
+    if jax.dtypes.canonicalize_dtype(value.dtype) != value.dtype:
+        return value  # a 64-bit leaf without x64: JAX would narrow it (2**40 + 7 -> 7)
     return jnp.asarray(value)
 
 
@@ -337,7 +369,8 @@ def load_checkpoint(
 
     Returns:
       ``(state, histories, meta)``: ``state`` has the structure of ``like`` (leaves as jax
-      arrays); ``histories`` holds ``info`` (a :class:`RoundInfo` of numpy arrays, or
+      arrays, but a 64-bit leaf stays a numpy array while JAX's x64 is off: JAX would
+      narrow its values); ``histories`` holds ``info`` (a :class:`RoundInfo` of numpy arrays, or
       ``None``), ``metrics`` and ``metric_rounds``; ``meta`` is the JSON header.
 
     Raises:
