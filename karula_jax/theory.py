@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from karula_jax import projection
+from karula_jax._checks import check_nonnegative, check_positive, check_positive_int, concrete
 
 __all__ = [
     "gradient_mapping",
@@ -38,6 +40,7 @@ __all__ = [
 
 def theorem_step(smoothness_max) -> jnp.ndarray:
     """Theorem 4.3's step ``3 / (8 L_max)``, ``L_max = max_i alpha_i L_i`` (> 0)."""
+    check_positive("smoothness_max", smoothness_max)
     return 3.0 / (8.0 * jnp.asarray(smoothness_max))
 
 
@@ -73,6 +76,7 @@ def gradient_mapping(
       ``(G, info)``: ``G`` of shape ``[n, p]`` and the projection's info (check
       ``info.converged``).
     """
+    check_positive("eta", eta)
     target = theta - eta * grad
     proj, info = projection.project(target, radii_sq, tol=tol, max_iter=max_iter, method=method)
     return (theta - proj) / eta, info
@@ -108,6 +112,7 @@ def paper_delta(certificate, eta) -> jnp.ndarray:
     The library certifies ``1/2 ||theta - v||^2 - 1/2 min_u ||u - v||^2 <= info.delta``;
     the paper measures the same gap divided by ``eta``.
     """
+    check_positive("eta", eta)
     return jnp.asarray(certificate) / eta
 
 
@@ -124,8 +129,27 @@ def theorem_4_3_bound(smoothness_max, initial_gap, rounds, *, sigma_sq=0.0, s=No
 
     Returns:
       ``(8 L / 3) (initial_gap / K + 4 sigma^2 (s + 1) / s + 2 delta)``.
+
+    Raises:
+      ValueError: ``smoothness_max <= 0``; a negative ``initial_gap``, ``sigma_sq`` or
+        ``delta``; ``rounds < 1``; ``sigma_sq`` that may be positive without ``s >= 1``.
     """
-    noise = 0.0 if sigma_sq == 0 else 4.0 * sigma_sq * (s + 1) / s
+    check_positive("smoothness_max", smoothness_max)
+    check_nonnegative("initial_gap", initial_gap)
+    check_nonnegative("delta", delta)
+    k = concrete(rounds)
+    if k is not None and np.any(k < 1):
+        raise ValueError(f"rounds must be >= 1, got {k.tolist()}")
+    noise_free = concrete(sigma_sq)
+    if noise_free is not None and np.any(noise_free < 0):
+        raise ValueError(f"sigma_sq must be >= 0, got {noise_free.tolist()}")
+    if noise_free is not None and np.all(noise_free == 0):
+        noise = 0.0
+    else:  # sigma_sq positive, or traced: s is needed
+        if s is None:
+            raise ValueError("s (participants per round) is required when sigma_sq > 0")
+        s = check_positive_int("s", s)
+        noise = 4.0 * jnp.asarray(sigma_sq) * (s + 1) / s
     eps = noise + 2.0 * delta
     return (8.0 * smoothness_max / 3.0) * (initial_gap / jnp.asarray(rounds) + eps)
 
@@ -147,6 +171,7 @@ def minibatch_sigma_sq(loss, theta, x, y, counts, alpha, batch_size: int) -> jnp
     Returns:
       Scalar, the largest client's mean squared error.
     """
+    check_positive_int("batch_size", batch_size)
     n_max = x.shape[1]
     rows = jnp.arange(n_max)
 

@@ -285,3 +285,29 @@ def test_karula_theorem_step_is_three_eighths_over_weighted_max():
     np.testing.assert_allclose(L_max / lipschitz_ridge(data, LAM), 6, rtol=1e-6)
     with pytest.raises(ValueError, match="learning_rate must be .* 'theorem'"):
         karula(LOSS, D, t=1.0, learning_rate="paper", clients_per_round=S, batch_size=4)
+
+
+ZEROS = jnp.zeros((2, 1))
+
+
+def test_theory_functions_refuse_arguments_outside_the_theorem():
+    """A negative step or smoothness, rounds < 1, a negative gap, sigma^2 > 0 without s
+    gave negative 'bounds' or raw Python errors; an array or traced sigma_sq works."""
+    bad = [
+        (lambda: theory.theorem_step(-1.0), "smoothness_max"),
+        (lambda: theory.theorem_4_3_bound(1.0, 1.0, -5), "rounds"),
+        (lambda: theory.theorem_4_3_bound(1.0, -1.0, 10), "initial_gap"),
+        (lambda: theory.theorem_4_3_bound(1.0, 1.0, 10, sigma_sq=1.0), "s \\(participants"),
+        (lambda: theory.theorem_4_3_bound(1.0, 1.0, 10, sigma_sq=-1.0, s=2), "sigma_sq"),
+        (lambda: theory.paper_delta(0.1, 0.0), "eta"),
+        (lambda: theory.gradient_mapping(ZEROS, ZEROS, jnp.ones((2, 2)), 0.0), "eta"),
+    ]
+    for call, name in bad:
+        with pytest.raises(ValueError, match=name):
+            call()
+    with pytest.raises(ValueError, match="s must be >= 1"):
+        theory.theorem_4_3_bound(1.0, 1.0, 10, sigma_sq=1.0, s=0)
+    two = theory.theorem_4_3_bound(1.0, 1.0, 10, sigma_sq=jnp.array([0.0, 1.0]), s=2)
+    np.testing.assert_allclose(two, (8 / 3) * (0.1 + np.array([0.0, 6.0])), rtol=1e-6)
+    jitted = jax.jit(lambda s2: theory.theorem_4_3_bound(1.0, 1.0, 10, sigma_sq=s2, s=2))(1.0)
+    np.testing.assert_allclose(jitted, two[1], rtol=1e-6)
