@@ -444,21 +444,43 @@ def embed(
         return_plans=bool(return_plans),
     )
     _check_maps_finite(out.maps, joint, counts, reference, epsilon)
+    if not is_concrete(epsilon, joint, reference):
+        # the checks above skip traced values: an epsilon that is not finite and > 0 or
+        # non-finite samples give NaN maps and converged False, not a plausible D
+        eps = jnp.asarray(epsilon, jnp.float32)
+        ok = jnp.isfinite(eps) & (eps > 0) & jnp.all(jnp.isfinite(reference))
+        ok = ok & jnp.all(jnp.isfinite(jnp.where(mask[..., None], joint, 0.0)), axis=(1, 2))
+        maps = jnp.where(ok[:, None, None], out.maps, jnp.nan)
+        out = out._replace(maps=maps, converged=out.converged & ok)
     return out
 
 
 def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
-    """ValueError naming ``epsilon`` when a concrete solve returned NaN/inf maps.
+    """ValueError naming ``epsilon`` when a concrete solve returned NaN/inf maps, or maps
+    outside the bounding box of the client's samples.
 
     The data and the reference are finite (checked before), so non-finite maps come from
     an ``epsilon`` too small for the transport costs: float32 Sinkhorn divides cost
-    differences at rounding level by ``epsilon``. Skipped when traced.
+    differences at rounding level by ``epsilon``. A map is a barycentric projection, a
+    convex combination of the client's samples, so one outside their box (beyond 1e-3 of
+    its width) is the same failure without the NaN (features at 1e4 with the default
+    epsilon: maps near 1e10, a D 7e4 times too large). Skipped when traced.
     """
-    m = concrete(maps)
-    if m is None or np.all(np.isfinite(m)):
+    m, cnt = concrete(maps), concrete(counts)
+    if m is None or cnt is None:
         return
-    bad = np.flatnonzero(~np.all(np.isfinite(m), axis=(1, 2))).tolist()
-    z, ref, cnt = np.asarray(joint, np.float64), np.asarray(reference, np.float64), concrete(counts)
+    z = np.asarray(joint, np.float64)
+    outside = np.zeros(len(m), bool)
+    for i in range(len(m)):
+        real = z[i, : cnt[i]]
+        lo, hi = real.min(axis=0), real.max(axis=0)
+        slack = 1e-3 * (hi - lo) + 1e-6 * (np.abs(hi) + np.abs(lo) + 1.0)
+        outside[i] = np.any(m[i] < lo - slack) | np.any(m[i] > hi + slack)
+    finite = np.all(np.isfinite(m), axis=(1, 2))
+    if finite.all() and not outside.any():
+        return
+    bad = np.flatnonzero(~finite | outside).tolist()
+    ref = np.asarray(reference, np.float64)
     costs_ = [np.linalg.norm(ref[:, None] - z[i, : cnt[i]][None], axis=-1) for i in range(len(z))]
     flat = np.concatenate([c.ravel() for c in costs_])
     scale, top = float(np.median(flat)), float(flat.max())
@@ -466,7 +488,8 @@ def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
     shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
     raise ValueError(
         f"epsilon={float(eps):.3g} is too small for the data's cost scale: the Sinkhorn "
-        f"solve of clients [{shown}] returned NaN or infinite maps. The transport costs "
+        f"solve of clients [{shown}] returned NaN, infinite or out-of-range maps. The "
+        f"transport costs "
         f"between the reference and the clients' samples have median {scale:.3g} (largest "
         f"{top:.3g}), {scale / float(eps):.3g} times epsilon, beyond what float32 Sinkhorn "
         f"resolves. Use epsilon of about 0.005 times the median cost (here "

@@ -202,10 +202,27 @@ def test_non_convergence_is_reported(ridge):
     assert not bool(info.converged.any())
     assert (np.asarray(info.iterations) == 10).all()
     assert np.asarray(info.marginal_error).min() > 1e-3
-    _, info = embedding.dissimilarities(
-        ridge.train, key=KEY, num_reference=20, epsilon=1e-4, max_iterations=100
-    )
-    assert not bool(info.converged.all())
+    # an epsilon far below the costs' scale leaves maps outside the clients' samples (a
+    # barycentric map is a convex combination of them): refused, naming epsilon
+    with pytest.raises(ValueError, match="epsilon=0.0001 is too small .* out-of-range maps"):
+        embedding.dissimilarities(
+            ridge.train, key=KEY, num_reference=20, epsilon=1e-4, max_iterations=100
+        )
+
+
+def test_features_at_a_large_scale_are_refused_not_embedded_wrong():
+    """Features scaled by 1e4 with the default epsilon gave maps near 1e10 and a D 7e4
+    times too large, finite and silent; by 1e6 an infinite D that karula read as
+    'unconstrained'. Maps outside the samples' box are now refused naming epsilon; the
+    same data standardized embeds as before."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(30, 2)), rng.normal(size=(30, 2)) + 1.0
+    for scale in (1e4, 1e6):
+        big = from_client_arrays([a * scale, b * scale], [np.zeros(30), np.zeros(30)])
+        with pytest.raises(ValueError, match="too small for the data's cost scale"):
+            embedding.dissimilarities(big, key=KEY)
+    D, info = embedding.dissimilarities(from_client_arrays([a, b], [np.zeros(30)] * 2), key=KEY)
+    assert bool(info.converged.all()) and 0.5 < float(D[0, 1]) < 5.0
 
 
 def test_classification_one_hot():
@@ -294,3 +311,21 @@ def test_nan_data_rejected(ridge):
         embedding.dissimilarities(bad, key=KEY)
     with pytest.raises(ValueError, match="labels"):
         embedding.joint_samples(tr, num_classes=3)
+
+
+def test_traced_epsilon_or_data_that_the_eager_checks_refuse_give_nan_not_a_plausible_d():
+    """Under jit/vmap the value checks cannot raise: epsilon <= 0 gave a plausible D with
+    every solve 'converged'; now those members' D is NaN and converged False, the valid
+    members unchanged."""
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(k, 2)) + i for i, k in enumerate([5, 8, 6])]
+    cd = from_client_arrays(xs, [rng.normal(size=len(x)) for x in xs])
+    run = lambda e: embedding.dissimilarities(cd, key=KEY, epsilon=e)  # noqa: E731
+    D_ok, _ = run(0.05)
+    D, info = jax.vmap(run)(jnp.array([0.05, -1.0, 0.0]))
+    np.testing.assert_allclose(D[0], D_ok, rtol=1e-5)
+    assert np.asarray(info.converged[0]).all() and not np.asarray(info.converged[1:]).any()
+    assert np.isnan(np.asarray(D[1:])[:, 0, 1:]).all()
+    nan_x = cd.x.at[0, 0, 0].set(jnp.nan)
+    jitted = jax.jit(lambda x: embedding.dissimilarities(cd._replace(x=x), key=KEY)[1].converged)
+    assert not bool(np.asarray(jitted(nan_x))[0])
