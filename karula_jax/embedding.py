@@ -409,8 +409,9 @@ def embed(
 
     Raises:
       ValueError: bad arguments, NaN/inf data or reference, or (concrete inputs) a solve
-        that returned NaN/inf maps: ``epsilon`` too small for the data's cost scale (the
-        message gives the scale and a value of ``epsilon`` that suits it).
+        that returned NaN/inf maps, or maps off the samples' range at costs beyond 1e3
+        times ``epsilon``: ``epsilon`` too small for the data's cost scale (the message
+        gives the scale and a value of ``epsilon`` that suits it).
     """
     _check_solver_args(
         epsilon, threshold, max_iterations, inner_iterations, momentum_start, batch_size
@@ -455,6 +456,12 @@ def embed(
     return out
 
 
+# Out-of-range maps are blamed on epsilon where the median cost exceeds it this many
+# times (features at 1e4 with the default epsilon: 3e5); below, a solve stopped short of
+# its tolerance can leave maps off the samples' box too, and ``converged`` reports it.
+_COST_OVER_EPSILON = 1e3
+
+
 def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
     """ValueError naming ``epsilon`` when a concrete solve returned NaN/inf maps, or maps
     outside the bounding box of the client's samples.
@@ -462,8 +469,9 @@ def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
     The data and the reference are finite (checked before), so non-finite maps come from
     an ``epsilon`` too small for the transport costs: float32 Sinkhorn divides cost
     differences at rounding level by ``epsilon``. A map is a barycentric projection, a
-    convex combination of the client's samples, so one outside their box (beyond 1e-3 of
-    its width) is the same failure without the NaN (features at 1e4 with the default
+    convex combination of the client's samples once the solve has converged, so one outside
+    their box (beyond 1e-3 of its width) at a median cost beyond ``_COST_OVER_EPSILON``
+    times ``epsilon`` is the same failure without the NaN (features at 1e4 with the default
     epsilon: maps near 1e10, a D 7e4 times too large). Skipped when traced.
     """
     m, cnt = concrete(maps), concrete(counts)
@@ -485,6 +493,8 @@ def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
     flat = np.concatenate([c.ravel() for c in costs_])
     scale, top = float(np.median(flat)), float(flat.max())
     eps = concrete(epsilon)
+    if finite.all() and scale <= _COST_OVER_EPSILON * float(eps):
+        return  # a solve stopped short at a sane scale: reported in ``converged``
     shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
     raise ValueError(
         f"epsilon={float(eps):.3g} is too small for the data's cost scale: the Sinkhorn "
