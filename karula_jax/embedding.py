@@ -444,7 +444,7 @@ def embed(
         batch_size=None if batch_size is None or batch_size >= joint.shape[0] else int(batch_size),
         return_plans=bool(return_plans),
     )
-    _check_maps_finite(out.maps, joint, counts, reference, epsilon)
+    _check_maps(out.maps, joint, counts, reference, epsilon)
     if not is_concrete(epsilon, joint, reference):
         # the checks above skip traced values: an epsilon that is not finite and > 0 or
         # non-finite samples give NaN maps and converged False, not a plausible D
@@ -462,7 +462,7 @@ def embed(
 _COST_OVER_EPSILON = 1e3
 
 
-def _check_maps_finite(maps, joint, counts, reference, epsilon) -> None:
+def _check_maps(maps, joint, counts, reference, epsilon) -> None:
     """ValueError naming ``epsilon`` when a concrete solve returned NaN/inf maps, or maps
     outside the bounding box of the client's samples.
 

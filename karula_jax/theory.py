@@ -140,10 +140,10 @@ def theorem_4_3_bound(smoothness_max, initial_gap, rounds, *, sigma_sq=0.0, s=No
     k = concrete(rounds)
     if k is not None and np.any(k < 1):
         raise ValueError(f"rounds must be >= 1, got {k.tolist()}")
-    noise_free = concrete(sigma_sq)
-    if noise_free is not None and np.any(noise_free < 0):
-        raise ValueError(f"sigma_sq must be >= 0, got {noise_free.tolist()}")
-    if noise_free is not None and np.all(noise_free == 0):
+    sigma = concrete(sigma_sq)
+    if sigma is not None and np.any(sigma < 0):
+        raise ValueError(f"sigma_sq must be >= 0, got {sigma.tolist()}")
+    if sigma is not None and np.all(sigma == 0):
         noise = 0.0
     else:  # sigma_sq positive, or traced: s is needed
         if s is None:

@@ -151,7 +151,7 @@ def fedsgd(
         alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
         values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
-        w = jax.tree.map(lambda p: p[0], state.params)
+        w = C.first_row(state.params)
         mem = state.memory
         if memory:
             # sum_i nu_i = mean(m) + sum_S (G_i - m_i) / s: Karula's estimate, summed
