@@ -2,7 +2,10 @@
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -28,15 +31,58 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 4.6-5.1 s against 7.7-8.3 s, a Karula round in 1.5 s against 2.6-3.2 s; the whole suite
 # (-n 2, 807 tests, all passing either way) in 456 s against 699 s, its summed test
 # durations 870 s against 1,372 s (2026-11-29, run back to back).
-for _flag, _value in (
+_TEST_XLA_FLAGS = (
     ("--xla_backend_optimization_level", "0"),
     ("--xla_cpu_multi_thread_eigen", "false"),
     ("--xla_llvm_disable_expensive_passes", "true"),
     ("--xla_cpu_use_fusion_emitters", "false"),
     ("--xla_cpu_parallel_codegen_split_count", "1"),
-):
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
+)
+# XLA aborts the process on a flag it does not know (jax 0.12's XLA dropped
+# --xla_cpu_use_fusion_emitters), and pytest's capture hid its message: the flags are set
+# only where this XLA accepts them, learnt once from a child process and inherited by the
+# xdist workers; a flag the user set that XLA refuses stops the run with XLA's own words.
+_PROBED_VAR = "KARULA_TEST_XLA_FLAGS_REFUSED"
+_PROBE = "import jax; jax.numpy.zeros(()).block_until_ready()"
+
+
+def _refused_flags(flags: str) -> tuple[list[str], str]:
+    """The flags of ``flags`` that this XLA refuses, and XLA's message (empty if none)."""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    if child.returncode == 0:
+        return [], ""
+    match = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", child.stderr)
+    if match is None:
+        raise pytest.UsageError(f"JAX fails to start with XLA_FLAGS={flags!r}:\n{child.stderr}")
+    return [f.split("=")[0] for f in match.group(1).split()], match.group(0)
+
+
+def _set_test_xla_flags() -> None:
+    if _PROBED_VAR in os.environ:  # an xdist worker: the controller has probed and set them
+        return
+    user = os.environ.get("XLA_FLAGS", "")
+    ours = [f"{flag}={value}" for flag, value in _TEST_XLA_FLAGS if flag not in user]
+    refused, message = _refused_flags(" ".join([user, *ours]).strip())
+    if set(refused) - {flag for flag, _ in _TEST_XLA_FLAGS}:
+        raise pytest.UsageError(f"XLA refuses a flag of your XLA_FLAGS ({message})")
+    kept = [f for f in ours if f.split("=")[0] not in refused]
+    os.environ["XLA_FLAGS"] = " ".join([user, *kept]).strip()
+    os.environ[_PROBED_VAR] = " ".join(refused)
+
+
+_set_test_xla_flags()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Says which XLA flags the tests ran with and which of the test flags this XLA refused."""
+    refused = os.environ.get(_PROBED_VAR) or "none"
+    terminalreporter.write_line(
+        f"XLA_FLAGS: {os.environ['XLA_FLAGS']} (test flags this XLA refused: {refused})"
+    )
+
 
 # One on-disk compilation cache per test run, shared by the xdist workers (they inherit the
 # environment of the process that loads this file first): many tests compile the same

@@ -522,7 +522,7 @@ def main(argv=None) -> int:
             print(f"{m.name:30s} {m.path:42s} {m.bug}")
         return 0
 
-    began = datetime.datetime.now(datetime.timezone.utc)
+    began = datetime.datetime.now(datetime.UTC)
     tree = pathlib.Path(tempfile.mkdtemp(prefix="karula-mutant-tree-"))
     try:
         snapshot(tree)

@@ -29,14 +29,10 @@ import json
 import pathlib
 import re
 import sys
+import tomllib
 from importlib import metadata
 
 import pytest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 (tomli is in the dev extra there)
-    import tomli as tomllib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROJECT = "karula-jax"
