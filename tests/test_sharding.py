@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerances import reordered_sum
 
 from karula_jax import training
+from karula_jax.embedding import DEFAULT_THRESHOLD
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -42,10 +44,8 @@ def _compare_sharded_and_unsharded() -> dict:
         "param_spec": list(a.sharding.spec),
         "param_devices": len(a.sharding.device_set),
         "shard_rows": sorted({s.data.shape[0] for s in a.addressable_shards}),
-        "max_param_diff": float(
-            np.max(np.abs(np.asarray(a) - np.asarray(plain.state.params["a"])))
-        ),
-        "max_metric_diff": float(np.max(np.abs(sharded.metrics["loss"] - plain.metrics["loss"]))),
+        "max_param_diff": _max_diff(a, plain.state.params["a"]),
+        "max_metric_diff": _max_diff(sharded.metrics["loss"], plain.metrics["loss"]),
         "same_participants": bool(
             np.array_equal(sharded.info.participants, plain.info.participants)
         ),
@@ -205,7 +205,18 @@ def _protocol_on_every_device() -> dict:
 
 
 def _max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    """The largest difference of ``a`` from ``b`` relative to ``b``'s largest magnitude."""
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(y)]) for y in (a, b))
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), np.finfo(np.float32).tiny))
+
+
+# Tolerances: the sharded program sums clients' contributions in another order; the toy
+# runs sum 8 clients a round over at most 5 rounds (each round's error feeds the next).
+_REORDERED_SUMS = reordered_sum(8, rounds=5)
+# D: each Sinkhorn solve stops once its marginal L1 error is below the embedding's threshold,
+# and another reduction order stops at another iterate; the barycentric maps, and the mean
+# distances between them that make D, differ by up to that threshold relative to D's scale.
+_SINKHORN = DEFAULT_THRESHOLD
 
 
 def test_sharded_run_equals_unsharded_on_4_devices():
@@ -230,18 +241,22 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert out["param_spec"] == ["clients"]
     assert out["param_devices"] == 4 and out["shard_rows"] == [2]
     assert out["same_participants"]
-    assert out["max_param_diff"] < 1e-5 and out["max_metric_diff"] < 1e-4
+    assert out["max_param_diff"] <= _REORDERED_SUMS and out["max_metric_diff"] <= _REORDERED_SUMS
     assert out["seed_spec"] == ["clients"]  # the member axis, on the mesh axis "clients"
-    assert out["max_seed_diff"] < 1e-5 and out["max_seed_metric_diff"] < 1e-4
+    assert out["max_seed_diff"] <= _REORDERED_SUMS
+    assert out["max_seed_metric_diff"] <= _REORDERED_SUMS
     assert out["client_spec"] == ["None", "None", "clients"]  # [S, G, n, ...]: n split
-    assert out["max_client_diff"] < 1e-5 and out["max_client_metric_diff"] < 1e-4
+    assert out["max_client_diff"] <= _REORDERED_SUMS
+    assert out["max_client_metric_diff"] <= _REORDERED_SUMS
     assert out["same_grid_participants"]
     assert out["karula_spec"][0] == "clients" and out["karula_iterations"] > 0
-    assert out["karula_diff"] < 1e-5 and out["karula_collectives"] == []
-    assert out["karula_resumed_diff"] < 1e-5
+    # members split whole over devices: no collective, so the same sums in the same order,
+    # but another compilation (fusion) of them: a round's sums of 8 clients, 3 rounds
+    assert out["karula_diff"] <= _REORDERED_SUMS and out["karula_collectives"] == []
+    assert out["karula_resumed_diff"] <= _REORDERED_SUMS
     assert out["batch_mesh"] == {"1": None, "6": 3, "7": None, "8": 4}
     assert out["cv_mesh_sizes"] == [3, None] and out["cv_same_choice"]
-    assert out["cv_diff"] < 1e-5 and out["D_diff"] < 1e-5
+    assert out["cv_diff"] <= _REORDERED_SUMS and out["D_diff"] <= _SINKHORN
     errors = out["errors"]
     assert "cannot shard the batch axis [S] of length 2 over a mesh of 4" in errors["batch"]
     assert "cannot shard the client axis of length 6 over a mesh of 4" in errors["clients"]
@@ -249,7 +264,7 @@ def test_sharded_run_equals_unsharded_on_4_devices():
 
 
 def test_karula_and_fedavg_on_4_devices_equal_one_device(tmp_path):
-    from _distributed_runs import RUNS, collect, launch, reference
+    from _distributed_runs import NUM_CLIENTS, RUNS, collect, launch, reference
 
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     procs = launch(tmp_path, num_processes=1, local_devices=None, env={"XLA_FLAGS": flags.strip()})
@@ -258,10 +273,13 @@ def test_karula_and_fedavg_on_4_devices_equal_one_device(tmp_path):
     assert int(out["global_devices"]) == 4
     # Karula: one run, clients split; FedAvg: seeds split; FedAvg grid: clients split.
     assert set(RUNS) == {"karula", "fedavg", "fedavg_grid"}
+    # the split runs sum the NUM_CLIENTS clients in another order, over 3 rounds
+    tol = reordered_sum(NUM_CLIENTS, rounds=3)
     for name in RUNS:
         assert out[name].shape == ref[name].shape
-        np.testing.assert_allclose(out[name], ref[name], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=1e-5)
+        scale = np.abs(ref[name]).max()
+        np.testing.assert_allclose(out[name], ref[name], rtol=tol, atol=tol * scale)
+        np.testing.assert_allclose(out[f"{name}_loss"], ref[f"{name}_loss"], rtol=tol)
         np.testing.assert_array_equal(out[f"{name}_participants"], ref[f"{name}_participants"])
 
 
