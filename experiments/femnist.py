@@ -25,7 +25,9 @@ from karula_jax.stats import format_mean_se, mean_and_se
 
 __all__ = ["Config", "library_rates", "main", "run_experiment"]
 
-METHODS = ("Local", "FedAvg", "IFCA", "Karula") + protocol.SUITE[6:] + ("FedPer",)
+METHODS = (
+    ("Local", "FedAvg", "IFCA", "Karula") + protocol.tagged("baseline", "uses-D") + ("FedPer",)
+)
 TUNING_SEED = 10_000  # the writer draw on which the CV grids are decided
 
 

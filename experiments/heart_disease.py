@@ -24,7 +24,7 @@ __all__ = ["METHODS", "Config", "main", "run_experiment"]
 
 # The eleven methods, and FedPer: FedAvg on Karula's mask, here the whole logistic model,
 # so FedPer is each hospital's own model on FedAvg's schedule (Karula at t = inf).
-METHODS = protocol.SUITE + ("FedPer",)
+METHODS = protocol.tagged("paper", "baseline", "uses-D") + ("FedPer",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ __all__ = ["SyntheticConfig", "main", "run_experiment", "run_sensitivity", "stud
 
 # The paper's methods; baselines beyond it, the two other uses of Karula's D, and Karula
 # at Theorem 4.3's step 3 / (8 L_max).
-METHODS, EXTRA = protocol.SUITE[:6], protocol.SUITE[6:] + ("Karula (theorem step)",)
+METHODS = protocol.tagged("paper")
+EXTRA = protocol.tagged("baseline", "uses-D") + ("Karula (theorem step)",)
 # Karula with dissimilarities no federated method has, and with the paper's own entrywise
 # L1 formula for D (results/synthetic/README.md).
 DIAGNOSTICS = (

@@ -41,6 +41,7 @@ from karula_jax.protocol.methods import (
     GRID_KINDS,
     REGISTRY,
     SUITE,
+    TAGS,
     Method,
     MethodRow,
     build_methods,
@@ -48,6 +49,7 @@ from karula_jax.protocol.methods import (
     cross_choice,
     register,
     scalar_grid,
+    tagged,
 )
 from karula_jax.protocol.rates import (
     default_rates,
@@ -76,6 +78,7 @@ __all__ = [
     "GRID_KINDS",
     "REGISTRY",
     "SUITE",
+    "TAGS",
     "CVData",
     "CVOutcome",
     "Draw",
@@ -109,5 +112,6 @@ __all__ = [
     "stack_datasets",
     "study_data",
     "study_rows",
+    "tagged",
     "write_study",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "GRID_KINDS",
     "REGISTRY",
     "SUITE",
+    "TAGS",
     "Method",
     "MethodRow",
     "build_methods",
@@ -40,6 +41,7 @@ __all__ = [
     "cross_choice",
     "register",
     "scalar_grid",
+    "tagged",
 ]
 
 
@@ -171,6 +173,7 @@ def cross_choice(
 
 
 GRID_KINDS = ("traced", "static", "choice")
+TAGS = ("paper", "baseline", "uses-D", "variant")
 
 
 class MethodRow(NamedTuple):
@@ -209,6 +212,10 @@ class MethodRow(NamedTuple):
         FedAvg's k): where :func:`build_methods` is told the number of clients ``n``,
         every value ``>= n`` is a natural limit as well (at most one group per client:
         no wider grid exists).
+      tags: what the method is to a study (:data:`TAGS`): ``"paper"`` (the paper's own
+        comparison), ``"baseline"`` (another federated method), ``"uses-D"`` (another
+        use of Karula's ``D``), ``"variant"`` (Karula changed in one respect); a study
+        selects its methods by name or by tag (:func:`tagged`), never by position.
     """
 
     name: str
@@ -224,6 +231,7 @@ class MethodRow(NamedTuple):
     projects: bool = False
     bound: str | None = None
     groups: bool = False
+    tags: tuple[str, ...] = ()
 
     def method(
         self,
@@ -333,12 +341,13 @@ def _karula_theorem(loss, **kw) -> Algorithm:
 
 _COMMON = ("clients_per_round", "batch_size")
 _D = {"D": "D"}
+_PAPER = ("paper",)
 # The built-in methods, in the order of the studies' tables. Default grids: the synthetic
 # study's (results/synthetic/README.md).
 _ROWS = (
-    MethodRow("Local", A.local, rates={"learning_rate": "local"}, settings=_COMMON),
-    MethodRow("FedSGD", A.fedsgd, rates={"learning_rate": "fedsgd"}, settings=_COMMON),
-    MethodRow("FedAvg", A.fedavg),
+    MethodRow("Local", A.local, rates={"learning_rate": "local"}, settings=_COMMON, tags=_PAPER),
+    MethodRow("FedSGD", A.fedsgd, rates={"learning_rate": "fedsgd"}, settings=_COMMON, tags=_PAPER),
+    MethodRow("FedAvg", A.fedavg, tags=_PAPER),
     MethodRow(
         "IFCA",
         A.ifca,
@@ -350,6 +359,7 @@ _ROWS = (
         bound="max_clusters",
         natural=lambda k: k == 1,
         groups=True,
+        tags=_PAPER,
     ),
     MethodRow(
         "pFedMe",
@@ -358,6 +368,7 @@ _ROWS = (
         grid=tuple(float(x) for x in np.geomspace(0.01, 1.0, 5)),
         rates={"learning_rate": "pfedme", "personal_learning_rate": "pfedme_personal"},
         shown="lambda",
+        tags=_PAPER,
     ),
     MethodRow(
         "Karula",
@@ -368,6 +379,7 @@ _ROWS = (
         members=_D,
         settings=_COMMON,
         projects=True,
+        tags=_PAPER,
     ),
     MethodRow(
         "FedProx",
@@ -375,14 +387,16 @@ _ROWS = (
         hyper="mu",
         grid=(0.01, 0.1, 1.0, 10.0),
         rates={"learning_rate": "fedprox"},
+        tags=("baseline",),
     ),
-    MethodRow("SCAFFOLD", A.scaffold),
+    MethodRow("SCAFFOLD", A.scaffold, tags=("baseline",)),
     MethodRow(
         "Ditto",
         A.ditto,
         hyper="lam",
         grid=(0.01, 0.1, 1.0, 10.0),
         rates={"learning_rate": "fedavg", "personal_learning_rate": "ditto_personal"},
+        tags=("baseline",),
     ),
     MethodRow(
         "Laplacian penalty on D",
@@ -393,6 +407,7 @@ _ROWS = (
         members=_D,
         settings=_COMMON,
         shown="mu/L_f",
+        tags=("uses-D",),
     ),
     MethodRow(
         "Clustered FedAvg on D",
@@ -402,6 +417,7 @@ _ROWS = (
         members={"labels": "labels"},
         kind="choice",
         groups=True,
+        tags=("uses-D",),
     ),
 )
 # Variants a study adds by name: FedPer (Karula at t = inf on its mask) and Karula at
@@ -416,13 +432,29 @@ _VARIANTS = (
         members=_D,
         settings=_COMMON,
         projects=True,
+        tags=("variant",),
     ),
-    MethodRow("FedPer", _fedper),
+    MethodRow("FedPer", _fedper, tags=("variant",)),
 )
 REGISTRY: dict[str, MethodRow] = {row.name: row for row in _ROWS + _VARIANTS}
-# The eleven methods of the studies' comparisons, in the registry's order (the variants
-# follow them in REGISTRY).
-SUITE: tuple[str, ...] = tuple(row.name for row in _ROWS)
+
+
+def tagged(*tags: str, registry: Mapping[str, MethodRow] | None = None) -> tuple[str, ...]:
+    """The names of the registered methods carrying any of ``tags``, in registry order.
+
+    Raises:
+      ValueError: a tag not in :data:`TAGS`, or no tag.
+    """
+    unknown = [tag for tag in tags if tag not in TAGS]
+    if unknown or not tags:
+        raise ValueError(f"tags must be some of {TAGS}, got {list(tags)}")
+    rows = (REGISTRY if registry is None else registry).values()
+    return tuple(row.name for row in rows if set(row.tags) & set(tags))
+
+
+# The eleven methods of the studies' comparisons: the paper's, the other baselines and the
+# other uses of D, in the registry's order.
+SUITE: tuple[str, ...] = tagged("paper", "baseline", "uses-D")
 
 
 def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
@@ -430,7 +462,8 @@ def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
 
     Raises:
       TypeError: ``row`` is not a :class:`MethodRow` or its name not a string.
-      ValueError: a row named ``row.name`` exists and not ``replace``; an unknown ``kind``.
+      ValueError: a row named ``row.name`` exists and not ``replace``; an unknown ``kind``
+        or tag.
     """
     if not isinstance(row, MethodRow):
         raise TypeError(f"row must be a MethodRow, got {type(row).__name__}")
@@ -438,6 +471,8 @@ def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
         raise TypeError(f"row.name must be a string, got {row.name!r}")
     if row.kind not in GRID_KINDS:
         raise ValueError(f"{row.name}: kind must be one of {GRID_KINDS}, got {row.kind!r}")
+    if not isinstance(row.tags, tuple) or any(tag not in TAGS for tag in row.tags):
+        raise ValueError(f"{row.name}: tags must be a tuple of {TAGS}, got {row.tags!r}")
     if row.name in REGISTRY and not replace:
         raise ValueError(f"a method named {row.name!r} is registered; pass replace=True")
     REGISTRY[row.name] = row
