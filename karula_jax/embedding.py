@@ -583,6 +583,21 @@ def dissimilarities(
       ValueError: on a bad ``num_reference``, ``epsilon``, ``norm``, a reference of the
         wrong shape, NaN/infinite data or reference, a missing key, or an ``epsilon`` too
         small for the data's cost scale (see :func:`embed`).
+
+    Examples:
+      >>> import jax
+      >>> import numpy as np
+      >>> import karula_jax as kj
+      >>> rng = np.random.default_rng(0)
+      >>> xs = [rng.normal(m, 1.0, size=(20, 2)) for m in (0.0, 0.0, 3.0)]  # client 2 shifted
+      >>> data = kj.data.from_client_arrays(xs, [x.sum(axis=1) for x in xs])
+      >>> D, info = kj.embedding.dissimilarities(
+      ...     data, key=jax.random.key(0), epsilon=0.5, num_reference=20
+      ... )
+      >>> D.shape, bool(info.converged.all())
+      ((3, 3), True)
+      >>> bool(D[0, 1] < D[0, 2]), bool(np.allclose(D, D.T)), np.diag(D).tolist()
+      (True, True, [0.0, 0.0, 0.0])
     """
     if not isinstance(clients, ClientData):
         raise TypeError(f"clients must be a ClientData, got {type(clients).__name__}")

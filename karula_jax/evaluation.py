@@ -139,6 +139,18 @@ def kfold_split(
       ``(train, validation)``: :class:`ClientData` with leaves ``[K, n, N_max, ...]``. A
       client with fewer than ``K`` rows has empty folds here (the study-level
       :func:`karula_jax.protocol.cv_datasets` refuses it).
+
+    Examples:
+      >>> import jax
+      >>> import numpy as np
+      >>> import karula_jax as kj
+      >>> xs, ys = [np.ones((4, 1)), np.ones((6, 1))], [np.ones(4), np.ones(6)]
+      >>> data = kj.data.from_client_arrays(xs, ys)  # 4 and 6 rows
+      >>> train, valid = kj.evaluation.kfold_split(data, 2, key=jax.random.key(0))
+      >>> train.counts.tolist(), valid.counts.tolist()  # [folds, clients]
+      ([[2, 3], [2, 3]], [[2, 3], [2, 3]])
+      >>> train.x.shape  # every split keeps N_max
+      (2, 2, 6, 1)
     """
     if (key is None) == (folds is None):
         raise ValueError("pass exactly one of key= and folds=")
@@ -353,6 +365,12 @@ def estimation_error(params: Any, params_true: Any) -> jnp.ndarray:
     Args:
       params: client models, leaves ``[n, ...]``.
       params_true: the true models, same structure and shapes.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from karula_jax.evaluation import estimation_error
+      >>> estimation_error(jnp.ones((2, 3)), jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 3.0]])).tolist()
+      [0.0, 5.0]
     """
 
     def one(a, b):
@@ -474,6 +492,12 @@ def pairwise_sq_distances(params: Any, personalized: Any = True) -> np.ndarray:
       params: client models, leaves ``[n, ...]``.
       personalized: True (every leaf counts) or a pytree of bools like ``params``: only
         the True leaves count (the meaning of ``personalized`` in every factory).
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.evaluation import pairwise_sq_distances
+      >>> pairwise_sq_distances(np.array([[0.0, 0.0], [3.0, 4.0]])).tolist()
+      [[0.0, 25.0], [25.0, 0.0]]
     """
     flags = jax.tree.leaves(personalized_flags(personalized, params))
     leaves = [a for a, f in zip(jax.tree.leaves(params), flags, strict=True) if f]
@@ -517,6 +541,13 @@ def spearman_offdiag(a: Any, b: Any) -> float:
     Returns:
       The Pearson correlation of the average ranks of the strictly upper triangles (NaN
       if one of them is constant).
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.evaluation import spearman_offdiag
+      >>> a = np.array([[0, 1, 2], [1, 0, 3], [2, 3, 0]])
+      >>> spearman_offdiag(a, a ** 2), spearman_offdiag(a, -a)  # ranks of the pairs i < j
+      (1.0, -1.0)
     """
     a, b = _square_pair("a", a, "b", b)
     iu = np.triu_indices(a.shape[0], k=1)

@@ -276,6 +276,17 @@ def ridge_loss(lam: float) -> Callable:
       ``loss(theta [d], x [B, d], y [B], mask [B]) -> []`` equal to
       ``sum_b mask_b (x_b . theta - y_b)^2 / (2 max(sum mask, 1)) + lam/2 ||theta||^2``,
       with the attribute ``loss.smoothness(data) = ridge_smoothness(data, lam)``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from karula_jax.models import ridge_loss
+      >>> loss = ridge_loss(0.1)
+      >>> x, y = jnp.array([[1.0], [2.0], [5.0]]), jnp.array([1.0, 2.0, 0.0])
+      >>> mask = jnp.array([True, True, False])  # the third row is padding
+      >>> float(loss(jnp.array([0.0]), x, y, mask))  # (1 + 4) / (2 * 2)
+      1.25
+      >>> round(float(loss(jnp.array([1.0]), x, y, mask)), 6)  # a perfect fit pays the penalty
+      0.05
     """
     lam = _check_lam(lam)
 

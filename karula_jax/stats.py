@@ -48,6 +48,14 @@ def mean_and_se(
     Raises:
       TypeError: if ``values`` is not numeric.
       ValueError: if fewer than 2 repetitions lie along ``axis``, or ``num_se`` < 0.
+
+    Examples:
+      >>> from karula_jax.stats import format_mean_se, mean_and_se
+      >>> mean, band = mean_and_se([0.90, 0.92, 0.94])  # a final accuracy on 3 seeds
+      >>> round(float(mean), 3), round(float(band), 4)  # band = 2 std / sqrt(3)
+      (0.92, 0.0231)
+      >>> format_mean_se(mean, band, scale=100)
+      '92.00 ± 2.31'
     """
     a = _as_float_array("values", values)
     if a.ndim == 0:
@@ -88,6 +96,13 @@ def paired_difference(
 
     Pairing removes the seed-to-seed variation both methods share, so the band of the
     difference is usually much narrower than the two separate bands suggest.
+
+    Examples:
+      >>> from karula_jax.stats import paired_difference
+      >>> mine, theirs = [0.90, 0.92, 0.94], [0.89, 0.90, 0.93]  # the same 3 seeds
+      >>> diff, band = paired_difference(mine, theirs)
+      >>> round(float(diff), 4), round(float(band), 4)  # decided: the difference exceeds its band
+      (0.0133, 0.0067)
     """
     a = _as_float_array("a", a)
     b = _as_float_array("b", b)
@@ -101,6 +116,14 @@ def summarize(tree: Mapping[str, Any], axis: int = 0, *, num_se: float = 2.0) ->
 
     Returns:
       dict name -> ``{"mean": ..., "se2": ...}`` (``se2`` is the ``num_se``-SE band).
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.stats import summarize
+      >>> out = summarize({"accuracy": np.array([[0.5, 0.90], [0.6, 0.92], [0.7, 0.94]])})
+      >>> mean, band = out["accuracy"]["mean"], out["accuracy"]["se2"]  # per column
+      >>> np.round(mean, 2).tolist(), np.round(band, 3).tolist()
+      ([0.6, 0.92], [0.115, 0.023])
     """
     if not isinstance(tree, Mapping):
         raise TypeError(f"tree must be a dict of arrays, got {type(tree).__name__}")
@@ -127,6 +150,14 @@ def format_mean_se(mean: Any, band: Any, *, digits: int = 2, scale: float = 1.0)
     Raises:
       TypeError: if ``mean`` or ``band`` is not numeric, or ``digits`` not an int.
       ValueError: if their shapes do not broadcast, or ``digits`` < 0.
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.stats import format_mean_se
+      >>> format_mean_se(5.7712, 0.4801)
+      '5.77 ± 0.48'
+      >>> format_mean_se(np.array([0.913, 0.893]), 0.0075, digits=1, scale=100).tolist()
+      ['91.3 ± 0.8', '89.3 ± 0.8']
     """
     m = _as_float_array("mean", mean)
     s = _as_float_array("band", band)

@@ -39,7 +39,13 @@ __all__ = [
 
 
 def theorem_step(smoothness_max) -> jnp.ndarray:
-    """Theorem 4.3's step ``3 / (8 L_max)``, ``L_max = max_i alpha_i L_i`` (> 0)."""
+    """Theorem 4.3's step ``3 / (8 L_max)``, ``L_max = max_i alpha_i L_i`` (> 0).
+
+    Examples:
+      >>> from karula_jax.theory import theorem_step
+      >>> float(theorem_step(2.0))  # 3 / (8 L_max)
+      0.1875
+    """
     check_positive("smoothness_max", smoothness_max)
     return 3.0 / (8.0 * jnp.asarray(smoothness_max))
 

@@ -67,7 +67,15 @@ def weights_numpy(d: np.ndarray, scale=None) -> np.ndarray:
 
 def graph_laplacian(W) -> jnp.ndarray:
     """``L = diag(W 1) - W`` of symmetric nonnegative weights ``W`` ``[n, n]`` (diagonal
-    of ``W`` ignored)."""
+    of ``W`` ignored).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from karula_jax.algorithms import graph_laplacian
+      >>> W = jnp.array([[0.0, 1.0, 0.0], [1.0, 0.0, 2.0], [0.0, 2.0, 0.0]])
+      >>> graph_laplacian(W).tolist()
+      [[1.0, -1.0, 0.0], [-1.0, 3.0, -2.0], [0.0, -2.0, 2.0]]
+    """
     W = jnp.asarray(W)
     W = jnp.where(jnp.eye(W.shape[0], dtype=bool), 0.0, W)
     return jnp.diag(jnp.sum(W, axis=1)) - W

@@ -170,6 +170,31 @@ def karula(
         ``projection_tol`` not finite and > 0, ``projection_max_iter`` < 1.
       TypeError: ``projection_tol`` not a real number or ``projection_max_iter`` not an
         int (among the argument types checked).
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import karula_jax as kj
+      >>> ds = kj.data.synthetic_ridge(0, num_clients=6, dim=3)
+      >>> # D from the true models here; from the clients' data: embedding.dissimilarities
+      >>> D = kj.evaluation.pairwise_sq_distances(ds.theta_true)
+      >>> loss = kj.models.ridge_loss(1e-6)
+      >>> L = kj.algorithms.lipschitz_ridge(ds.train, 1e-6)
+      >>> alg = kj.algorithms.karula(
+      ...     loss, D, t=1.0, learning_rate=3 / (8 * L), clients_per_round=3,
+      ...     batch_size=ds.train.max_count,  # full gradients
+      ... )
+      >>> res = kj.training.run(
+      ...     alg, jnp.zeros(3), ds.train, key=jax.random.key(1), num_rounds=100, chunk_size=100,
+      ...     progress=False,
+      ... )
+      >>> theta = alg.client_params(res.state, ds.train)  # one model per client
+      >>> theta.shape, bool(res.info.proj_converged.all())
+      ((6, 3), True)
+      >>> bool((kj.evaluation.pairwise_sq_distances(theta) <= 1.0 * D + 1e-4).all())  # in K
+      True
+      >>> round(float(kj.evaluation.estimation_error(theta, ds.theta_true).mean()), 2)
+      0.02
     """
     D, t, s, B = _check_arguments(
         D, t, learning_rate, clients_per_round, batch_size, weights, smoothness, personalized

@@ -75,6 +75,17 @@ def lipschitz_ridge(
       ValueError: ``lam`` negative or not finite; ``data.x`` not ``[n, N_max, d]``, or
         holding NaN/inf on real rows; every count 0 (with default weights); bad
         ``weights``.
+
+    Examples:
+      >>> import numpy as np
+      >>> import karula_jax as kj
+      >>> xs, ys = [np.full((2, 1), 2.0), np.ones((1, 1))], [np.ones(2), np.ones(1)]
+      >>> data = kj.data.from_client_arrays(xs, ys)
+      >>> L_i = [4.0, 1.0]  # lambda_max(X_i^T X_i / N_i); alpha = [4/3, 2/3]
+      >>> round(kj.algorithms.lipschitz_ridge(data, 0.0), 4)  # max_i alpha_i L_i / n
+      2.6667
+      >>> round(kj.algorithms.lipschitz_ridge(data, 0.0, per_client=True), 4)  # max_i alpha_i L_i
+      5.3333
     """
     return _product_space_constant(data, lam, weights, per_client, intercept=False, scale=1.0)
 

@@ -224,6 +224,17 @@ def from_client_arrays(
         integers in range, or a bad ``num_classes``/``max_count``.
       TypeError: when an element is not array-like, is complex or not numeric, or when
         ``dtype`` is not float32 or float64.
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.data import from_client_arrays
+      >>> xs = [np.ones((3, 2)), np.zeros((1, 2))]  # client 0: 3 rows, client 1: 1 row
+      >>> ys = [np.array([0, 1, 1]), np.array([2])]
+      >>> data = from_client_arrays(xs, ys, num_classes=3)
+      >>> data.x.shape, data.y.dtype, data.counts.tolist()
+      ((2, 3, 2), dtype('int32'), [3, 1])
+      >>> data.mask.tolist()  # padding never reaches a loss
+      [[True, True, True], [True, False, False]]
     """
     if _half_precision(dtype):
         raise TypeError(
@@ -333,6 +344,11 @@ def client_weights(counts) -> jnp.ndarray:
 
     Raises:
       ValueError: (concrete counts) not of shape ``[n]``, negative, non-finite or all 0.
+
+    Examples:
+      >>> from karula_jax.data import client_weights
+      >>> client_weights([10, 30]).tolist()
+      [0.5, 1.5]
     """
     c = concrete(counts)
     if c is not None:

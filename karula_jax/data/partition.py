@@ -131,6 +131,18 @@ def split_label_skew(
         more clients than rows, ``classes_per_client`` out of range, or a client left
         without rows.
       TypeError: non-numeric input, a bad ``key``, non-integer sizes.
+
+    Examples:
+      >>> import jax
+      >>> import numpy as np
+      >>> from karula_jax.data import split_label_skew
+      >>> x = np.arange(24.0).reshape(12, 2)
+      >>> y = np.repeat(np.arange(4), 3)  # 4 classes of 3 rows
+      >>> data = split_label_skew(x, y, 4, classes_per_client=2, key=jax.random.key(0))
+      >>> data.num_clients, int(data.counts.sum())  # every row to one client
+      (4, 12)
+      >>> [len(set(np.asarray(yi[:c]).tolist())) for yi, c in zip(data.y, data.counts)]
+      [2, 2, 2, 2]
     """
     x, y, n, C, rng = _pool(x, y, num_clients, key, labels=True, num_classes=num_classes)
     k = check_positive_int("classes_per_client", classes_per_client)
@@ -190,6 +202,16 @@ def split_dirichlet(
       ValueError: as :func:`split_label_skew`; ``alpha`` not finite and ``> 0``;
         ``n * min_count > N``; no draw gave every client ``min_count`` rows.
       TypeError: non-numeric input, a bad ``key``, non-integer sizes.
+
+    Examples:
+      >>> import jax
+      >>> import numpy as np
+      >>> from karula_jax.data import split_dirichlet
+      >>> x = np.random.default_rng(0).normal(size=(60, 2))
+      >>> y = np.arange(60) % 3
+      >>> data = split_dirichlet(x, y, 5, alpha=0.5, key=jax.random.key(0), min_count=2)
+      >>> data.num_clients, int(data.counts.sum()), bool(data.counts.min() >= 2)
+      (5, 60, True)
     """
     x, y, n, C, _ = _pool(x, y, num_clients, key, labels=True, num_classes=num_classes)
     check_positive("alpha", alpha)
@@ -275,6 +297,16 @@ def split_feature_shift(
       ValueError: shapes that do not match, NaN or inf, more clients than rows, a
         negative or non-finite amount, labels outside ``num_classes``.
       TypeError: non-numeric input, a bad ``key``, non-integer sizes.
+
+    Examples:
+      >>> import jax
+      >>> import numpy as np
+      >>> from karula_jax.data import split_feature_shift
+      >>> x = np.random.default_rng(0).normal(size=(10, 2))
+      >>> y = np.arange(10) % 2
+      >>> data = split_feature_shift(x, y, 3, key=jax.random.key(0), noise=0.5, num_classes=2)
+      >>> data.x.shape, data.counts.tolist()
+      ((3, 4, 2), [4, 3, 3])
     """
     x, y, n, _, rng = _pool(x, y, num_clients, key, labels=False)
     for name, value in (("noise", noise), ("scale", scale), ("offset", offset)):

@@ -28,6 +28,12 @@ def random_classification(
     Raises:
       ValueError: ``num_clients``, ``features`` or ``num_classes`` below 1, or ``rows`` not
         two integers with ``1 <= rows[0] <= rows[1]``.
+
+    Examples:
+      >>> from karula_jax.data import random_classification
+      >>> data = random_classification(3, rows=(5, 8), features=4, num_classes=2)
+      >>> data.num_clients, data.x.shape[2], data.y.dtype
+      (3, 4, dtype('int32'))
     """
     n = check_positive_int("num_clients", num_clients)
     check_positive_int("features", features)

@@ -89,6 +89,16 @@ def synthetic_ridge(
 
     Returns:
       A :class:`SyntheticRidge`.
+
+    Examples:
+      >>> import karula_jax as kj
+      >>> ds = kj.data.synthetic_ridge(0, num_clients=6, dim=3)
+      >>> ds.train.num_clients, ds.train.x.shape[2], ds.test.x.shape
+      (6, 3, (6, 100, 3))
+      >>> ds.theta_true.shape, ds.groups.tolist()
+      ((6, 3), [0, 0, 1, 1, 2, 2])
+      >>> bool((ds.train.counts >= 10).all() and (ds.train.counts <= 100).all())
+      True
     """
     num_clients = check_positive_int("num_clients", num_clients)
     dim = check_positive_int("dim", dim)

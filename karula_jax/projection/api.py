@@ -578,6 +578,17 @@ def project(
         negative/NaN/asymmetric radii, mask structure mismatch, unknown method, bad
         ``tol``/``max_iter`` or a ``warm_start`` of the wrong shape or with NaN/inf.
       TypeError: complex/non-numeric leaves in ``v`` or ``radii_sq``, non-bool mask leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> from karula_jax.projection import project
+      >>> v = jnp.array([[0.0], [4.0], [8.0]])  # three clients, one parameter each
+      >>> theta, info = project(v, jnp.full((3, 3), 4.0))  # every pair at most 2 apart
+      >>> np.round(np.asarray(theta[:, 0]), 3).tolist()
+      [3.0, 4.0, 5.0]
+      >>> bool(info.converged), float(info.max_violation) <= 1e-6
+      (True, True)
     """
     _check_options(method, tol, max_iter)
     leaves, treedef, mask, n = _split(v, personalized)

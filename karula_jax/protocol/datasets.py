@@ -57,6 +57,17 @@ def stack_datasets(items: Sequence[ClientData], *, rows: int | None = None) -> C
 
     Returns:
       A :class:`ClientData` with host (numpy) leaves ``[len(items), n, rows, ...]``.
+
+    Examples:
+      >>> import numpy as np
+      >>> import karula_jax as kj
+      >>> def rows(*counts):  # one feature, target 1
+      ...     xs = [np.ones((c, 1)) for c in counts]
+      ...     return kj.data.from_client_arrays(xs, [np.ones(c) for c in counts])
+      >>> a, b = rows(2, 3), rows(5, 1)  # two data sets of the same 2 clients
+      >>> both = kj.protocol.stack_datasets([a, b])  # rows padded to the largest, 5
+      >>> both.x.shape, both.counts.tolist()
+      ((2, 2, 5, 1), [[2, 3], [5, 1]])
     """
     if not items:
         raise ValueError("items must hold at least one data set")
@@ -110,6 +121,19 @@ def cv_datasets(
       ValueError: a client with rows has fewer than ``num_folds`` of them (a fold would
         leave it no validation or no training row); explicit ``folds`` with ids outside
         ``[0, K)`` on real rows or not ``-1`` on padding.
+
+    Examples:
+      >>> import jax
+      >>> import karula_jax as kj
+      >>> from karula_jax import protocol
+      >>> draws = [kj.data.synthetic_ridge(s, num_clients=4, dim=2, num_test=20) for s in range(2)]
+      >>> train = protocol.stack_datasets([d.train for d in draws])
+      >>> test = protocol.stack_datasets([d.test for d in draws])
+      >>> cv = protocol.cv_datasets(train, test, 3, key=jax.random.split(jax.random.key(0), 2))
+      >>> cv.num_seeds, cv.num_folds, cv.train.counts.shape  # S (K + 1) members of n clients
+      (2, 3, (8, 4))
+      >>> bool((cv.evals.counts[3] == 20).all())  # member 3: seed 0's final fit, its test rows
+      True
     """
     if num_folds and (key is None) == (folds is None):
         raise ValueError("pass exactly one of key and folds")

@@ -647,6 +647,32 @@ def run_many(
         divide, a factory argument failing its check on some member or grid point before
         anything runs, a FedState key or round varying over the grid, all :func:`run` raises.
       TypeError: unknown keyword arguments, a malformed ``hyper`` or ``batch_kwargs``.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import karula_jax as kj
+      >>> ds = kj.data.synthetic_ridge(0, num_clients=6, dim=3)
+      >>> loss = kj.models.ridge_loss(1e-6)
+      >>> def make(learning_rate):  # called with traced grid values
+      ...     return kj.algorithms.fedavg(
+      ...         loss, learning_rate=learning_rate, clients_per_round=3,
+      ...         batch_size=ds.train.max_count,
+      ...     )
+      >>> def metrics(theta, data):
+      ...     return {"error": kj.evaluation.estimation_error(theta, ds.theta_true)}
+      >>> res = kj.training.run_many(
+      ...     make, jnp.zeros(3), ds.train, keys=jax.random.split(jax.random.key(0), 2),
+      ...     num_rounds=50, hyper={"learning_rate": jnp.array([0.0, 0.01, 0.05])},
+      ...     eval_fn=metrics, chunk_size=50, progress=False,
+      ... )
+      >>> res.metrics["error"].shape  # [evaluations, seeds, grid points, clients]
+      (2, 2, 3, 6)
+      >>> res.state.params.shape  # [seeds, grid points, 1 global model, d]
+      (2, 3, 1, 3)
+      >>> err = res.metrics["error"][-1].mean(axis=-1)  # [seeds, grid points]
+      >>> bool((err[:, 0] > err[:, 2]).all())  # learning_rate 0 stays at the initial model
+      True
     """
     options = _check_run_options(run_kwargs, shard)
     keys, num_members = _check_keys(keys)

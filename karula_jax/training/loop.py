@@ -286,6 +286,28 @@ def run(
       OSError: ``checkpoint_dir`` cannot be created or written to (before any compiling).
       TypeError: non-integer sizes, or ``eval_fn`` not returning a dict.
       FloatingPointError: a round produced NaN/inf and ``on_nonfinite="raise"``.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import karula_jax as kj
+      >>> ds = kj.data.synthetic_ridge(0, num_clients=6, dim=3)
+      >>> L = kj.algorithms.lipschitz_ridge(ds.train, 1e-6)
+      >>> alg = kj.algorithms.local(
+      ...     kj.models.ridge_loss(1e-6), learning_rate=1 / L, batch_size=ds.train.max_count
+      ... )
+      >>> def metrics(theta, data):  # client models [n, d] -> {name: [n]}
+      ...     return {"error": kj.evaluation.estimation_error(theta, ds.theta_true)}
+      >>> res = kj.training.run(
+      ...     alg, jnp.zeros(3), ds.train, key=jax.random.key(1), num_rounds=300, chunk_size=100,
+      ...     eval_fn=metrics, progress=False,
+      ... )
+      >>> res.info.loss.shape, res.metrics["error"].shape, res.metric_rounds.tolist()
+      ((300,), (4, 6), [0, 100, 200, 300])
+      >>> bool(res.info.finite.all()), res.nonfinite_round
+      (True, None)
+      >>> round(float(res.metrics["error"][-1].mean()), 2)  # mean ||theta_i - theta_i*||^2
+      0.08
     """
     if not isinstance(algorithm, Algorithm):
         raise TypeError(f"algorithm must be an Algorithm, got {type(algorithm).__name__}")
