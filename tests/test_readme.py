@@ -22,3 +22,35 @@ def test_readme_commands_and_example():
         exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own documentation
     claimed = float(re.search(r"# ([0-9.]+) \(Local", code).group(1))
     assert abs(float(out.getvalue().strip()) - claimed) < 0.05
+
+
+# What a run diary leaves in prose, and what finds it.
+_DIARY = {
+    "a date": r"\b20\d\d-\d\d-\d\d\b",
+    "a commit hash": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
+    "an issue number": r"(?i)\bissues? #?\d+|#\d+\b",
+    "a clock time": r"\b\d\d:\d\d\b",
+}
+
+
+def test_readme_is_a_front_door_not_a_diary():
+    """The README is read in minutes: its line and word budget, and no run history in it
+    (dates, commit hashes, issue numbers, clock times): those live in git and CHANGELOG.md."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 120, "README.md: at most 120 lines"
+    assert len(text.split()) <= 1100, "README.md: at most 1,100 words"
+    for what, pattern in _DIARY.items():
+        found = re.findall(pattern, text)
+        assert not found, f"README.md holds {what}: {found[:3]}"
+
+
+def test_the_diary_check_sees_planted_history():
+    planted = {
+        "a date": ("rerun 2026-11-29 at a quiet hour", "2026-11-29"),
+        "a commit hash": ("measured on 293b4f4, a quiet hour", "293b4f4"),
+        "an issue number": ("issue 24's target of 5x", "issue 24"),
+        "a clock time": ("rerun at 23:44", "23:44"),
+    }
+    for what, (sentence, hit) in planted.items():
+        assert re.findall(_DIARY[what], sentence) == [hit], what
+        assert not re.findall(_DIARY[what], "a 2-core CPU, 784-100-10 MLP, n = 1000, 1.6x")
