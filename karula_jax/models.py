@@ -50,6 +50,11 @@ __all__ = [
     "logistic_loss",
     "logistic_smoothness",
     "mlp",
+    "multinomial_accuracy",
+    "multinomial_logits",
+    "multinomial_loss",
+    "multinomial_params",
+    "multinomial_smoothness",
     "output_layer_mask",
     "ridge_loss",
     "ridge_smoothness",
@@ -74,7 +79,8 @@ class MLP(nn.Module):
 
 
 def mlp(hidden: int = 100, num_classes: int = 10) -> MLP:
-    """The paper's FEMNIST network: 784-100-10 with ReLU (input size set at init).
+    """One hidden ReLU layer, ``d -> hidden -> num_classes``; the input size ``d`` is set
+    by :func:`init_params`'s ``input_shape`` (the paper's FEMNIST network is 784-100-10).
 
     Args:
       hidden: width of the hidden layer.
@@ -375,3 +381,83 @@ def logistic_accuracy(params, x, y, mask) -> jnp.ndarray:
     return _nan_if_nonfinite(
         _masked_mean(((z > 0) == (y > 0.5)).astype(jnp.float32), mask), z, mask
     )
+
+
+def multinomial_params(dim: int, num_classes: int, dtype=jnp.float32) -> dict:
+    """Zero multinomial logistic-regression parameters ``{"w": [dim, num_classes], "b":
+    [num_classes]}`` (floating ``dtype``)."""
+    dim = check_positive_int("dim", dim)
+    num_classes = check_positive_int("num_classes", num_classes)
+    dtype = check_floating_dtype("dtype", dtype)
+    return {"w": jnp.zeros((dim, num_classes), dtype), "b": jnp.zeros((num_classes,), dtype)}
+
+
+def multinomial_logits(params, x) -> jnp.ndarray:
+    """Class scores ``x @ w + b``, ``[B, C]``, of ``params = {"w": [d, C], "b": [C]}``
+    for rows ``x [B, d]`` (an ``apply_fn`` for :func:`cross_entropy_loss`)."""
+    w, b = params["w"], params["b"]
+    if jnp.ndim(w) != 2 or jnp.shape(b) != jnp.shape(w)[1:]:
+        raise ValueError(
+            f'params must be {{"w": [d, C], "b": [C]}}, got w {jnp.shape(w)}, b {jnp.shape(b)}'
+        )
+    return jnp.tensordot(x, w, axes=(-1, 0)) + b
+
+
+def multinomial_loss(lam: float) -> Callable:
+    """Multinomial (softmax) logistic regression with an L2 penalty on the weights.
+
+    Args:
+      lam: L2 penalty ``>= 0`` on ``w`` (not the bias).
+
+    Returns:
+      ``loss(params, x [B, d], y [B], mask [B]) -> []`` with ``params = {"w": [d, C], "b":
+      [C]}`` (:func:`multinomial_params`) and integer labels ``y`` in ``[0, C)``: the masked
+      mean of ``logsumexp(z) - z[y]`` with ``z = x @ w + b``, plus ``lam/2 ||w||^2``; with
+      the attributes ``loss.num_classes(params, x)`` (``C``; algorithms check the labels
+      with it) and ``loss.smoothness(data) = multinomial_smoothness(data, lam)``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from karula_jax.models import multinomial_loss, multinomial_params
+      >>> loss = multinomial_loss(0.0)
+      >>> x, y = jnp.ones((4, 3)), jnp.array([0, 1, 2, 3])
+      >>> params = multinomial_params(3, 4)  # every class equally likely: log 4 per row
+      >>> round(float(loss(params, x, y, jnp.ones(4, bool))), 4)
+      1.3863
+    """
+    lam = _check_lam(lam)
+    cross_entropy = cross_entropy_loss(multinomial_logits)
+
+    def loss(params, x, y, mask):
+        return cross_entropy(params, x, y, mask) + 0.5 * lam * jnp.sum(params["w"] ** 2)
+
+    loss.num_classes = cross_entropy.num_classes
+    loss.smoothness = functools.partial(multinomial_smoothness, lam=lam)
+    return loss
+
+
+def multinomial_smoothness(data, lam) -> jnp.ndarray:
+    """Each client's Lipschitz constant of ``grad f_i`` for :func:`multinomial_loss`.
+
+    With ``z_i = [x_i, 1]`` the Hessian of ``f_i`` in ``(w, b)`` is ``mean_i (diag(p) - p
+    p^T) (x) z z^T`` plus ``lam`` on ``w``, where ``p`` are the softmax probabilities; the
+    largest eigenvalue of ``diag(p) - p p^T`` is at most ``1/2`` (attained with two
+    classes at ``p = (1/2, 1/2)``), so ``L_i = lambda_max(Z_i^T Z_i / (2 N_i)) + lam``
+    bounds it everywhere. At uniform probabilities over ``C`` classes the curvature is
+    ``C / 2`` times smaller: a step from this bound is safe on the whole path, and small
+    at the start. Traceable.
+
+    Args:
+      data: a ``ClientData`` with ``x`` of shape ``[n, N_max, d]``.
+      lam: the L2 penalty ``>= 0``.
+
+    Returns:
+      ``L_i``, array of shape ``[n]``.
+    """
+    return linear_smoothness(data, _check_lam(lam), intercept=True, curvature=0.5)
+
+
+def multinomial_accuracy(params, x, y, mask) -> jnp.ndarray:
+    """Fraction of real rows whose arg-max class score of :func:`multinomial_logits` is the
+    label (a ``LossFn``-shaped metric); NaN where a real row's scores are not finite."""
+    return accuracy(multinomial_logits)(params, x, y, mask)
