@@ -12,7 +12,7 @@ import numpy as np
 from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
 from karula_jax import projection, training
-from karula_jax.algorithms._common import client_batch, sample_participants
+from karula_jax.algorithms._sampling import client_batch, sample_participants
 from karula_jax.algorithms.variance_reduction import variance_reduced_direction
 from karula_jax.benchmarking import bench_page, fastest, mlp_problem, publish, run_header
 from karula_jax.data import client_weights

@@ -212,8 +212,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fedavg_unweighted",
         "karula_jax/algorithms/baselines.py",
-        "avg = C.weighted_mean(rows, a_s)",
-        "avg = C.weighted_mean(rows, jnp.ones_like(a_s))",
+        "avg = weighted_mean(rows, a_s, otherwise=",
+        "avg = weighted_mean(rows, jnp.ones_like(a_s), otherwise=",
         ("tests/test_alg_baselines.py",),
         "FedAvg aggregation: plain mean of the returned models, client weights ignored",
     ),
@@ -275,7 +275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "participants_first_s",
-        "karula_jax/algorithms/_common.py",
+        "karula_jax/algorithms/_sampling.py",
         "idx = jax.random.permutation(key, n)[:s].astype(jnp.int32)",
         "idx = jax.random.permutation(key, s).astype(jnp.int32)",
         ("tests/test_alg_common.py",),
@@ -283,7 +283,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "minibatch_padding_row",
-        "karula_jax/algorithms/_common.py",
+        "karula_jax/algorithms/_sampling.py",
         "u = jnp.where(jnp.arange(max_count) < count, u, jnp.inf)",
         "u = jnp.where(jnp.arange(max_count) <= count, u, jnp.inf)",
         ("tests/test_alg_common.py",),
@@ -291,7 +291,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "cv_select_reversed",
-        "karula_jax/evaluation.py",
+        "karula_jax/evaluation/cross_validation.py",
         "index = np.argmax(score, axis=-1) if maximize else np.argmin(score, axis=-1)",
         "index = np.argmin(score, axis=-1) if maximize else np.argmax(score, axis=-1)",
         ("tests/test_evaluation.py",),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from _alg_problems import LOSS, N_CLIENTS, problem, scan_run, zeros
 
-from karula_jax.algorithms import _common as C
 from karula_jax.algorithms import fedavg, fedsgd, ifca, local, pfedme
+from karula_jax.algorithms._sampling import sample_participants, sample_rows
 
 DRAWS = 4000
 
@@ -17,7 +17,7 @@ DRAWS = 4000
 def test_participants_exactly_s_uniform_without_replacement():
     n, s = N_CLIENTS, 2
     keys = jax.random.split(jax.random.key(0), DRAWS)
-    masks, idx = jax.jit(jax.vmap(lambda k: C.sample_participants(k, n, s)))(keys)
+    masks, idx = jax.jit(jax.vmap(lambda k: sample_participants(k, n, s)))(keys)
     masks, idx = np.asarray(masks), np.asarray(idx)
     assert np.all(masks.sum(1) == s)
     assert np.all(idx[:, 0] != idx[:, 1])
@@ -36,7 +36,7 @@ def test_participants_exactly_s_uniform_without_replacement():
 def test_rows_without_replacement_and_never_padding(count):
     max_count, B = 12, 4
     keys = jax.random.split(jax.random.key(1), DRAWS)
-    rows, mask = jax.jit(jax.vmap(lambda k: C.sample_rows(k, count, max_count, B)))(keys)
+    rows, mask = jax.jit(jax.vmap(lambda k: sample_rows(k, count, max_count, B)))(keys)
     rows, mask = np.asarray(rows), np.asarray(mask)
     m = min(B, count)
     assert np.all(mask[:, :m]) and not np.any(mask[:, m:])
@@ -46,7 +46,7 @@ def test_rows_without_replacement_and_never_padding(count):
     freq = np.bincount(real.ravel(), minlength=max_count)[:count] / DRAWS
     p = m / count
     assert np.all(np.abs(freq - p) < 4.5 * np.sqrt(p * (1 - p) / DRAWS) + 1e-12)
-    full_rows, full_mask = C.sample_rows(keys[0], count, max_count, max_count)
+    full_rows, full_mask = sample_rows(keys[0], count, max_count, max_count)
     np.testing.assert_array_equal(full_rows, np.arange(max_count))
     np.testing.assert_array_equal(full_mask, np.arange(max_count) < count)
 

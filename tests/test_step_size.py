@@ -29,7 +29,7 @@ from karula_jax.algorithms import (
     radii_squared,
     smoothness_estimate,
 )
-from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._trees import tree_sq_dist
 from karula_jax.algorithms.step_size import (
     consensus_stability_factor,
     coupling,
@@ -399,7 +399,7 @@ def _runs_one(D, params0, data, *, name, s, grid):
             )
             st = st._replace(params=jax.tree.map(lambda a: jnp.where(blown, jnp.nan, a), st.params))
             new, info = alg.round(st, data)
-            move = C.tree_sq_dist(new.params, st.params)
+            move = tree_sq_dist(new.params, st.params)
             return new, (info.finite, jnp.sqrt(move))
 
         state, (finite, moves) = jax.lax.scan(body, state, None, length=ROUNDS)

@@ -2,7 +2,7 @@
 
 Private stays private: no module of ``karula_jax`` uses another module's ``_name``.
 
-What several modules share lives in a named internal module (``algorithms/_common``,
+What several modules share lives in a named internal module (``algorithms/_trees``,
 ``_local``, ``_graph``, ``karula_jax/_checks``, ``_linalg``) under public names; importing
 such a module is fine, importing or reading a name that starts with ``_`` from another
 module is not. The check reads every source file with ``ast`` (nothing is imported) and
@@ -99,14 +99,14 @@ def test_the_check_sees_a_planted_private_use():
     planted = [
         "from karula_jax.algorithms.baselines import fedavg, _aggregate",
         "from .karula import radii_squared, _check_dissimilarity",
-        "from karula_jax.algorithms._common import _spec",
+        "from karula_jax.algorithms._validation import _spec",
         "from karula_jax.training import checkpoint as ckpt\nckpt._is_key(1)",
         "import karula_jax.training.checkpoint as ckpt\nckpt._is_key(1)",
     ]
     for source in planted:
         assert private_uses(source, module, is_package=False), source
     clean = [
-        "from karula_jax.algorithms import _common as C\nC.gather",
+        "from karula_jax.algorithms import _trees as T\nT.gather",
         "from karula_jax import _checks, _linalg\n_linalg.eigh",
         "from karula_jax.algorithms._local import local_train",
         "from karula_jax.algorithms._graph import check_dissimilarity",

@@ -33,10 +33,10 @@ How each ``learning_rate`` acts (``g_i = grad f_i`` with ``f_i`` a client's mean
 * ``clustered_fedavg(lr)``: ``fedavg(lr)`` inside fixed groups of clients
   (:func:`cluster_clients` of ``D``); one group equals ``fedavg``.
 
-Round ``k`` draws its participants with ``_common.sample_participants`` and each
-participant's minibatches with ``_common.client_batch`` from
+Round ``k`` draws its participants with ``_sampling.sample_participants`` and each
+participant's minibatches with ``_sampling.client_batch`` from
 ``split(fold_in(state.key, k))``; code outside the compiled rounds (e.g. an eager reference
-loop) imports them from :mod:`karula_jax.algorithms._common` to draw the same ones.
+loop) imports them from :mod:`karula_jax.algorithms._sampling` to draw the same ones.
 
 ``__all__`` holds what a user calls: the factories, their state and loss types, and the
 constants and rules that choose their arguments (``lipschitz_*``, ``*_learning_rate``,

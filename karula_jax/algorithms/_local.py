@@ -2,7 +2,7 @@
 clustered FedAvg): ``E`` SGD steps per participant, and the server's write-back.
 
 Conventions (participation, minibatches, weights) are those of
-:mod:`karula_jax.algorithms._common`.
+:mod:`karula_jax.algorithms._sampling` and :mod:`karula_jax.algorithms._rounds`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from karula_jax.algorithms._common import client_batch, client_keys, gather
+from karula_jax.algorithms._sampling import client_batch, client_keys
+from karula_jax.algorithms._trees import gather
 from karula_jax.data.clients import ClientData
 
 __all__ = ["aggregate", "local_sgd", "local_train"]

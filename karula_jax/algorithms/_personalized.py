@@ -24,7 +24,7 @@ __all__ = ["check_personalized", "personalized_flags", "shared_leaves"]  # the f
 
 
 def shared_leaves(personalized: Any, params: Any) -> Any:
-    """The ``shared`` argument of :func:`karula_jax.algorithms._common.stack_clients`.
+    """The ``shared`` argument of :func:`karula_jax.algorithms._trees.stack_clients`.
 
     Returns:
       None when no leaf is shared (every leaf per client), else a pytree of bools with

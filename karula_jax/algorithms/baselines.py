@@ -1,9 +1,10 @@
 """Baselines on the Karula engine: Local, FedSGD and FedAvg.
 
-All three use the conventions of :mod:`karula_jax.algorithms._common` (participation,
-minibatches, weights ``alpha``). Global-model methods store their model once, leaves
-``[1, ...]`` in ``state.params`` (``_common.stack_clients``); ``client_params`` broadcasts
-it to ``[n, ...]`` so that evaluation is the same for every method.
+All three use the conventions of :mod:`karula_jax.algorithms._sampling` (participation,
+minibatches) and :mod:`karula_jax.algorithms._rounds` (weights ``alpha``). Global-model
+methods store their model once, leaves ``[1, ...]`` in ``state.params``
+(``_trees.stack_clients``); ``client_params`` broadcasts it to ``[n, ...]`` so that
+evaluation is the same for every method.
 """
 
 from __future__ import annotations
@@ -14,12 +15,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_nonnegative, check_positive_int
+from karula_jax.algorithms._gradients import participant_value_and_grads
 from karula_jax.algorithms._local import aggregate, local_train
 from karula_jax.algorithms._personalized import (
     check_personalized,
     personalized_flags,
     shared_leaves,
+)
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import init_and_run_keys, run_key
+from karula_jax.algorithms._trees import (
+    all_finite,
+    broadcast,
+    first_row,
+    gather,
+    scale_rows,
+    scatter,
+    weighted_mean,
+)
+from karula_jax.algorithms._validation import (
+    check_clients_per_round,
+    check_params,
+    check_weights,
+    resolve_weights,
 )
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, variance_reduced_direction
@@ -76,37 +95,37 @@ def local(
       >>> bool(jnp.allclose(theta, own, atol=1e-3))
       True
     """
-    C.check_nonnegative("learning_rate", learning_rate)
-    B = C.check_positive_int("batch_size", batch_size)
+    check_nonnegative("learning_rate", learning_rate)
+    B = check_positive_int("batch_size", batch_size)
     if clients_per_round is not None:
-        C.check_positive_int("clients_per_round", clients_per_round)
-    C.check_weights(weights)
+        check_positive_int("clients_per_round", clients_per_round)
+    check_weights(weights)
 
     def _s(data):
         s = data.num_clients if clients_per_round is None else clients_per_round
-        C.check_clients_per_round(s, data.num_clients)
+        check_clients_per_round(s, data.num_clients)
         return s
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         _s(data)
-        return C.start_state(params, data.num_clients, C.run_key(key))
+        return start_state(params, data.num_clients, run_key(key))
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients
-        alpha, mask, idx, key_batch = C.begin_round(state, data, _s(data), weights)
-        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
+        alpha, mask, idx, key_batch = begin_round(state, data, _s(data), weights)
+        values, grads = participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
         rows = jax.tree.map(
-            lambda p, g: p - learning_rate * C.scale_rows(a_s / n, g),
-            C.gather(state.params, idx),
+            lambda p, g: p - learning_rate * scale_rows(a_s / n, g),
+            gather(state.params, idx),
             grads,
         )
-        params = C.scatter(state.params, idx, rows)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, grads, params))
+        params = scatter(state.params, idx, rows)
+        info = round_info(values, a_s, mask, all_finite(values, grads, params))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)
 
 
 def fedsgd(
@@ -146,45 +165,45 @@ def fedsgd(
       An :class:`Algorithm`; ``state.params`` holds the global model once (leaves
       ``[1, ...]``); ``client_params`` broadcasts it to ``[n, ...]``.
     """
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    C.check_weights(weights)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    check_weights(weights)
     if not isinstance(memory, bool | np.bool_):
         raise TypeError(f"memory must be True or False, got {memory!r}")
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         n = data.num_clients
-        C.check_clients_per_round(s, n)
+        check_clients_per_round(s, n)
         shared = shared_leaves(False, params)  # one global model, stored once
         if not memory:
-            return C.start_state(params, n, C.run_key(key), shared=shared)
-        key_init, key_run = C.init_and_run_keys(key)
-        alpha = C.resolve_weights(weights, data)
-        mem = init_memory(loss, C.broadcast(params, n), data, alpha, key_init, B)
-        return C.start_state(params, n, key_run, memory=mem, shared=shared)
+            return start_state(params, n, run_key(key), shared=shared)
+        key_init, key_run = init_and_run_keys(key)
+        alpha = resolve_weights(weights, data)
+        mem = init_memory(loss, broadcast(params, n), data, alpha, key_init, B)
+        return start_state(params, n, key_run, memory=mem, shared=shared)
 
     def round_fn(state: FedState, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        values, grads = C.participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
+        values, grads = participant_value_and_grads(loss, state.params, data, idx, key_batch, B)
         a_s = alpha[idx]
-        w = C.first_row(state.params)
+        w = first_row(state.params)
         mem = state.memory
         if memory:
             # sum_i nu_i = mean(m) + sum_S (G_i - m_i) / s: Karula's estimate, summed
-            G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
+            G = jax.tree.map(lambda g: scale_rows(a_s, g), grads)
             nu, mem = variance_reduced_direction(mem, G, idx)
             direction = jax.tree.map(lambda v: jnp.sum(v, axis=0), nu)
         else:
             # a round of zero-weight participants takes no step
-            direction = C.weighted_mean(grads, a_s, otherwise=jax.tree.map(jnp.zeros_like, w))
+            direction = weighted_mean(grads, a_s, otherwise=jax.tree.map(jnp.zeros_like, w))
         w = jax.tree.map(lambda p, d: p - learning_rate * d, w, direction)
         params = jax.tree.map(lambda a: a[None], w)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, grads, w))
+        info = round_info(values, a_s, mask, all_finite(values, grads, w))
         return state._replace(params=params, memory=mem, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)
 
 
 def fedavg(
@@ -245,26 +264,26 @@ def fedavg(
       >>> round(float(kj.evaluation.estimation_error(theta, ds.theta_true).mean()), 1)
       0.6
     """
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
-    C.check_weights(weights)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
+    check_weights(weights)
     check_personalized(personalized)
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
-        C.check_clients_per_round(s, data.num_clients)
+        check_params(loss, params, data)
+        check_clients_per_round(s, data.num_clients)
         shared = shared_leaves(personalized, params)
-        return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
+        return start_state(params, data.num_clients, run_key(key), shared=shared)
 
     def round_fn(state: FedState, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
-        avg = C.weighted_mean(rows, a_s, otherwise=C.first_row(state.params))
+        avg = weighted_mean(rows, a_s, otherwise=first_row(state.params))
         params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
-        info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
+        info = round_info(values, a_s, mask, all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

@@ -15,10 +15,14 @@ import numpy as np
 from scipy.cluster.hierarchy import cut_tree, linkage
 from scipy.spatial.distance import squareform
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_nonnegative, check_positive_int, concrete, defer
 from karula_jax.algorithms._graph import check_dissimilarity, weights_numpy
 from karula_jax.algorithms._local import local_train
 from karula_jax.algorithms._personalized import check_personalized, personalized_flags
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import run_key
+from karula_jax.algorithms._trees import all_finite
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 
 __all__ = ["CLUSTER_METHODS", "cluster_clients", "clustered_fedavg"]
@@ -175,14 +179,14 @@ def cluster_clients(
       TypeError: ``k`` or ``restarts`` not an int.
     """
     check_dissimilarity(D)
-    d = C.concrete(D)
+    d = concrete(D)
     if d is None:
         raise ValueError("D must be a concrete array (cluster_clients runs outside jit)")
     n = d.shape[0]
-    k = C.check_positive_int("k", k)
+    k = check_positive_int("k", k)
     if k > n:
         raise ValueError(f"k={k} exceeds the number of clients n={n}")
-    restarts = C.check_positive_int("restarts", restarts)
+    restarts = check_positive_int("restarts", restarts)
     if method not in CLUSTER_METHODS:
         raise ValueError(f"method must be one of {CLUSTER_METHODS}, got {method!r}")
     d = np.asarray(d, np.float64)
@@ -204,9 +208,9 @@ def _check_labels(labels, n: int | None = None) -> None:
     if len(shape) != 1 or (n is not None and shape[0] != n):
         want = f"[{n}]" if n is not None else "[n]"
         raise ValueError(f"labels must have shape {want} (one group per client), got {shape}")
-    lab = C.concrete(labels)
+    lab = concrete(labels)
     if lab is None:
-        C.defer("labels are negative (they must be >= 0)", jnp.all(jnp.asarray(labels) >= 0))
+        defer("labels are negative (they must be >= 0)", jnp.all(jnp.asarray(labels) >= 0))
     elif lab.size and lab.min() < 0:
         raise ValueError(f"labels must be >= 0, found {lab.min()}")
 
@@ -260,27 +264,27 @@ def clustered_fedavg(
         (``s > n`` at ``init``/``round``); bad ``weights``.
     """
     _check_labels(labels)
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
-    C.check_weights(weights)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
+    check_weights(weights)
     check_personalized(personalized)
     labels = jnp.asarray(labels, jnp.int32)
 
     def _check_data(data) -> None:
         _check_labels(labels, data.num_clients)
-        C.check_clients_per_round(s, data.num_clients)
+        check_clients_per_round(s, data.num_clients)
 
     def init(params, data, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         personalized_flags(personalized, params)  # its structure
         _check_data(data)
-        return C.start_state(params, data.num_clients, C.run_key(key))
+        return start_state(params, data.num_clients, run_key(key))
 
     def round_fn(state: FedState, data):
         _check_data(data)
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         rows, values = local_train(loss, state.params, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         same = labels[:, None] == labels[idx][None, :]  # [n, s]: participant j in i's group
@@ -299,7 +303,7 @@ def clustered_fedavg(
             return jnp.where(keep, avg.astype(p.dtype), p)
 
         params = jax.tree.map(leaf, flags, state.params, rows)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
+        info = round_info(values, a_s, mask, all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

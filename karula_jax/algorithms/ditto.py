@@ -9,9 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_nonnegative, check_positive_int
 from karula_jax.algorithms._local import local_sgd
 from karula_jax.algorithms._personalized import check_personalized, personalized_flags
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import client_batch, client_keys, run_key
+from karula_jax.algorithms._trees import all_finite, broadcast, gather, scatter, weighted_mean
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -45,7 +49,7 @@ def _client(loss, personalized, lam, learning_rate, plr, steps, B, w, v, x, y, c
     shrink = _shrink(lam, plr)
 
     def step(v, e):
-        xb, yb, mb = C.client_batch(jax.random.fold_in(k_v, e), x, y, count, B)
+        xb, yb, mb = client_batch(jax.random.fold_in(k_v, e), x, y, count, B)
         value, g = jax.value_and_grad(loss)(v, xb, yb, mb)
 
         def leaf(f, a, b, c):
@@ -132,36 +136,36 @@ def ditto(
       ``state.params``. ``RoundInfo.loss`` is the participants' loss at their personal
       models on the first personal minibatch.
     """
-    C.check_nonnegative("lam", lam, allow_inf=True)
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
+    check_nonnegative("lam", lam, allow_inf=True)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
     plr = learning_rate if personal_learning_rate is None else personal_learning_rate
-    C.check_nonnegative("personal_learning_rate", plr)
-    P = E if personal_steps is None else C.check_positive_int("personal_steps", personal_steps)
-    C.check_weights(weights)
+    check_nonnegative("personal_learning_rate", plr)
+    P = E if personal_steps is None else check_positive_int("personal_steps", personal_steps)
+    check_weights(weights)
     check_personalized(personalized)
 
     client = functools.partial(_client, loss, personalized, lam, learning_rate, plr, (E, P), B)
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         personalized_flags(personalized, params)  # its structure
         n = data.num_clients
-        C.check_clients_per_round(s, n)
+        check_clients_per_round(s, n)
         w = jax.tree.map(jnp.asarray, params)
-        return C.start_state(w, n, C.run_key(key), extra=w)
+        return start_state(w, n, run_key(key), extra=w)
 
     def round_fn(state: FedState, data: ClientData):
         n = data.num_clients
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         w = state.extra
-        keys_global = C.client_keys(key_batch, idx)
-        keys_personal = C.client_keys(jax.random.split(key_batch)[1], idx)
+        keys_global = client_keys(key_batch, idx)
+        keys_personal = client_keys(jax.random.split(key_batch)[1], idx)
         w_rows, v_rows, values = jax.vmap(client, in_axes=(None, 0, 0, 0, 0, 0, 0))(
             w,
-            C.gather(state.params, idx),
+            gather(state.params, idx),
             data.x[idx],
             data.y[idx],
             data.counts[idx],
@@ -169,10 +173,10 @@ def ditto(
             keys_personal,
         )
         a_s = alpha[idx]
-        w = C.weighted_mean(w_rows, a_s, otherwise=state.extra)
-        personal = C.scatter(state.params, idx, v_rows)
-        params = _combine(personalized_flags(personalized, w), personal, C.broadcast(w, n))
-        info = C.round_info(values, a_s, mask, C.all_finite(values, w_rows, v_rows, w))
+        w = weighted_mean(w_rows, a_s, otherwise=state.extra)
+        personal = scatter(state.params, idx, v_rows)
+        params = _combine(personalized_flags(personalized, w), personal, broadcast(w, n))
+        info = round_info(values, a_s, mask, all_finite(values, w_rows, v_rows, w))
         return state._replace(params=params, extra=w, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

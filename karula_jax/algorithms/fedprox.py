@@ -8,13 +8,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_nonnegative, check_positive_int
 from karula_jax.algorithms._local import aggregate
 from karula_jax.algorithms._personalized import (
     check_personalized,
     personalized_flags,
     shared_leaves,
 )
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import client_batch, client_keys, run_key
+from karula_jax.algorithms._trees import all_finite, first_row, gather, weighted_mean
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -69,17 +73,17 @@ def fedprox(
       and personalized leaves per client (``[n, ...]``); ``client_params`` gives each
       client's model.
     """
-    C.check_nonnegative("mu", mu)
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
-    C.check_weights(weights)
+    check_nonnegative("mu", mu)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
+    check_weights(weights)
     check_personalized(personalized)
 
     def client(w0, x, y, count, key):
         def step(p, e):
-            xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), x, y, count, B)
+            xb, yb, mb = client_batch(jax.random.fold_in(key, e), x, y, count, B)
             value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
             p = jax.tree.map(lambda a, b, c: a - learning_rate * (b + mu * (a - c)), p, g, w0)
             return p, value
@@ -88,21 +92,21 @@ def fedprox(
         return w, values[0]
 
     def init(params, data: ClientData, *, key):
-        C.check_params(loss, params, data)
-        C.check_clients_per_round(s, data.num_clients)
+        check_params(loss, params, data)
+        check_clients_per_round(s, data.num_clients)
         shared = shared_leaves(personalized, params)
-        return C.start_state(params, data.num_clients, C.run_key(key), shared=shared)
+        return start_state(params, data.num_clients, run_key(key), shared=shared)
 
     def round_fn(state, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
-        keys = C.client_keys(key_batch, idx)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
+        keys = client_keys(key_batch, idx)
         rows, values = jax.vmap(client)(
-            C.gather(state.params, idx), data.x[idx], data.y[idx], data.counts[idx], keys
+            gather(state.params, idx), data.x[idx], data.y[idx], data.counts[idx], keys
         )
         a_s = alpha[idx]
-        avg = C.weighted_mean(rows, a_s, otherwise=C.first_row(state.params))
+        avg = weighted_mean(rows, a_s, otherwise=first_row(state.params))
         params = aggregate(state.params, idx, rows, avg, personalized_flags(personalized, avg))
-        info = C.round_info(values, a_s, mask, C.all_finite(values, rows))
+        info = round_info(values, a_s, mask, all_finite(values, rows))
         return state._replace(params=params, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_finite, check_nonnegative, check_positive_int, concrete, defer
 from karula_jax.algorithms._local import local_train
+from karula_jax.algorithms._rounds import begin_round, round_info
+from karula_jax.algorithms._sampling import client_batch, client_keys, init_and_run_keys
+from karula_jax.algorithms._trees import all_finite, gather, scatter
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -64,10 +68,10 @@ def _cluster_count(num_clusters, max_clusters):
     """``(capacity, active)``: the number of cluster models the state holds (static) and
     the bool ``[capacity]`` mask of those in use (None: all). Checks both arguments."""
     if max_clusters is None:
-        return C.check_positive_int("num_clusters", num_clusters), None
-    cap = C.check_positive_int("max_clusters", max_clusters)
+        return check_positive_int("num_clusters", num_clusters), None
+    cap = check_positive_int("max_clusters", max_clusters)
     expected = f"an integer from 1 to max_clusters={cap}"
-    k = C.concrete(num_clusters)
+    k = concrete(num_clusters)
     if k is not None:
         if k.ndim != 0 or not np.issubdtype(k.dtype, np.number) or k.dtype == bool:
             raise TypeError(f"num_clusters must be {expected}, got {num_clusters!r}")
@@ -75,7 +79,7 @@ def _cluster_count(num_clusters, max_clusters):
             raise ValueError(f"num_clusters must be {expected}, got {num_clusters!r}")
     else:
         k = jnp.asarray(num_clusters)
-        C.defer(f"num_clusters is not {expected}", (k >= 1) & (k <= cap) & (k == jnp.round(k)))
+        defer(f"num_clusters is not {expected}", (k >= 1) & (k <= cap) & (k == jnp.round(k)))
     return cap, jnp.arange(cap) < jnp.asarray(k)
 
 
@@ -88,7 +92,7 @@ def _check_initial_clusters(initial_clusters, k: int, name: str) -> None:
                 f"initial_clusters leaves must have leading axis {name}={k}, "
                 f"got shape {jnp.shape(leaf)}"
             )
-        C.check_finite("initial_clusters", leaf)
+        check_finite("initial_clusters", leaf)
 
 
 def _perturbed_clusters(params, key, k: int, init_scale):
@@ -165,30 +169,30 @@ def ifca(
       An :class:`Algorithm` with ``state.extra`` an :class:`IFCAState`.
     """
     k, active = _cluster_count(num_clusters, max_clusters)
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
-    C.check_nonnegative("init_scale", init_scale)
-    C.check_weights(weights)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
+    check_nonnegative("init_scale", init_scale)
+    check_weights(weights)
     _check_initial_clusters(
         initial_clusters, k, "num_clusters" if max_clusters is None else "max_clusters"
     )
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         n = data.num_clients
-        C.check_clients_per_round(s, n)
-        key_init, key_run = C.init_and_run_keys(key)
+        check_clients_per_round(s, n)
+        key_init, key_run = init_and_run_keys(key)
         if initial_clusters is not None:
             clusters = jax.tree.map(jnp.asarray, initial_clusters)
             first = jax.tree.map(lambda c: c[0], clusters)
-            C.check_params(loss, first, data, name="initial_clusters")
+            check_params(loss, first, data, name="initial_clusters")
         else:
             clusters = _perturbed_clusters(params, key_init, k, init_scale)
         assignment = ifca_assign(loss, clusters, data, active)
         return FedState(
-            params=C.gather(clusters, assignment),
+            params=gather(clusters, assignment),
             memory=(),
             proj_state=(),
             extra=IFCAState(clusters=clusters, assignment=assignment),
@@ -197,27 +201,27 @@ def ifca(
         )
 
     def round_fn(state: FedState, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         clusters = state.extra.clusters
 
         def choose(x, y, c, kk):
             # The rows of local step 0, so the choice costs k losses on one minibatch.
-            xb, yb, mb = C.client_batch(jax.random.fold_in(kk, 0), x, y, c, B)
+            xb, yb, mb = client_batch(jax.random.fold_in(kk, 0), x, y, c, B)
             losses = _masked(_cluster_losses(loss, clusters, xb, yb, mb), active)
             return jnp.argmin(losses).astype(jnp.int32)
 
-        keys = C.client_keys(key_batch, idx)
+        keys = client_keys(key_batch, idx)
         choice = jax.vmap(choose)(data.x[idx], data.y[idx], data.counts[idx], keys)
-        start = C.gather(clusters, choice)
-        start_full = C.scatter(state.params, idx, start)
+        start = gather(clusters, choice)
+        start_full = scatter(state.params, idx, start)
         rows, values = local_train(loss, start_full, data, idx, key_batch, E, learning_rate, B)
         a_s = alpha[idx]
         W = jax.nn.one_hot(choice, k, dtype=jnp.float32) * a_s[:, None]  # [s, k]
         clusters = jax.tree.map(lambda c, r: _average(W, c, r), clusters, rows)
         assignment = state.extra.assignment.at[idx].set(choice)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, rows, clusters))
+        info = round_info(values, a_s, mask, all_finite(values, rows, clusters))
         new_state = state._replace(
-            params=C.gather(clusters, assignment),
+            params=gather(clusters, assignment),
             extra=IFCAState(clusters=clusters, assignment=assignment),
             round=state.round + 1,
         )
@@ -225,6 +229,6 @@ def ifca(
 
     def client_params(state: FedState, data: ClientData):
         clusters = state.extra.clusters
-        return C.gather(clusters, ifca_assign(loss, clusters, data, active))
+        return gather(clusters, ifca_assign(loss, clusters, data, active))
 
     return Algorithm(init=init, round=round_fn, client_params=client_params)

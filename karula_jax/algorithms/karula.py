@@ -19,10 +19,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from karula_jax._checks import is_concrete
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import (
+    check_nonnegative,
+    check_positive,
+    check_positive_int,
+    concrete,
+    is_concrete,
+)
 from karula_jax.algorithms._graph import check_dissimilarity
 from karula_jax.algorithms._personalized import check_personalized, shared_leaves
+from karula_jax.algorithms._rounds import begin_round, own_params
+from karula_jax.algorithms._sampling import init_and_run_keys
+from karula_jax.algorithms._trees import all_finite, stack_clients, weighted_mean
+from karula_jax.algorithms._validation import (
+    check_clients_per_round,
+    check_params,
+    check_weights,
+    resolve_weights,
+)
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn, RoundInfo
 from karula_jax.algorithms.step_size import (
     check_smoothness,
@@ -60,7 +74,7 @@ def radii_squared(t, D) -> jnp.ndarray:
         :func:`karula` would refuse (traced values are checked by the runner).
     """
     if is_concrete(t):
-        C.check_nonnegative("t", t, allow_inf=True)
+        check_nonnegative("t", t, allow_inf=True)
     if is_concrete(D):
         check_dissimilarity(D)
     return _radii(t, D)
@@ -165,7 +179,7 @@ def karula(
         ``learning_rate`` negative or NaN; ``smoothness`` values negative, not finite or
         not of shape ``[n]``; ``clients_per_round`` or ``batch_size``
         < 1 (``s > n`` is detected by ``init``/``round``); bad ``weights``; at
-        ``init``, ``params`` that do not fit the data (see ``_common.check_params``);
+        ``init``, ``params`` that do not fit the data (see ``_validation.check_params``);
         ``projection_method`` not one of ``karula_jax.projection.METHODS``,
         ``projection_tol`` not finite and > 0, ``projection_max_iter`` < 1.
       TypeError: ``projection_tol`` not a real number or ``projection_max_iter`` not an
@@ -215,7 +229,7 @@ def karula(
     def round_fn(state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
         return _round(setup, state, data)
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)
 
 
 class _Setup(NamedTuple):
@@ -242,7 +256,7 @@ def _check_arguments(
 ):
     """The checks of :func:`karula`'s arguments; returns ``(D, t, s, B)`` as it uses them."""
     check_dissimilarity(D)
-    C.check_nonnegative("t", t, allow_inf=True)
+    check_nonnegative("t", t, allow_inf=True)
     if isinstance(learning_rate, str):
         if learning_rate != "theorem":
             raise ValueError(
@@ -250,10 +264,10 @@ def _check_arguments(
                 f"'theorem' (3 / (8 L_max)), got {learning_rate!r}"
             )
     elif learning_rate is not None:
-        C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    C.check_weights(weights)
+        check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    check_weights(weights)
     D = jnp.asarray(D, dtype=jnp.float32)
     t = jnp.asarray(t, jnp.float32)
     check_smoothness(smoothness, D.shape[0])
@@ -269,14 +283,14 @@ def _check_projection(method, tol, max_iter) -> None:
     methods = registered_methods()
     if not isinstance(method, str) or method not in methods:
         raise ValueError(f"projection_method must be one of {methods}, got {method!r}")
-    C.check_positive("projection_tol", tol)
-    C.check_positive_int("projection_max_iter", max_iter)
+    check_positive("projection_tol", tol)
+    check_positive_int("projection_max_iter", max_iter)
 
 
 def _check_data(setup: _Setup, data: ClientData) -> None:
     if data.num_clients != setup.n:
         raise ValueError(f"D has shape {setup.D.shape} but data hold {data.num_clients} clients")
-    C.check_clients_per_round(setup.s, setup.n)
+    check_clients_per_round(setup.s, setup.n)
 
 
 # Leaves outside ``personalized`` are one consensus model: stored once ([1, ...]), stepped
@@ -316,7 +330,7 @@ def _coupling(setup: _Setup, params, data, L_i):
     """``kappa`` of the step rule: the projection of approximate local optima."""
     if not _own(setup.personalized, params):  # every leaf shared: FedSGD, the tied case
         return jnp.float32(jnp.inf)
-    radii = C.concrete(setup.radii())
+    radii = concrete(setup.radii())
     if radii is not None:  # known radii all 0 (kappa unused) or all inf (kappa = 0)
         off = radii[~np.eye(setup.n, dtype=bool)]
         if np.all(off == 0) or np.all(np.isposinf(off)):
@@ -345,13 +359,13 @@ def _init(setup: _Setup, params, data: ClientData, key) -> FedState:
     """``init`` of :func:`karula`."""
     from karula_jax import projection as P  # noqa: PLC0415 - sibling module, import late
 
-    C.check_params(setup.loss, params, data)
+    check_params(setup.loss, params, data)
     shared = shared_leaves(setup.personalized, params)  # checks its structure
     _check_data(setup, data)
-    key_init, key_run = C.init_and_run_keys(key)
+    key_init, key_run = init_and_run_keys(key)
     n = setup.n
-    theta = C.stack_clients(params, n, shared=shared)
-    alpha = C.resolve_weights(setup.weights, data)
+    theta = stack_clients(params, n, shared=shared)
+    alpha = resolve_weights(setup.weights, data)
     memory = init_memory(setup.loss, theta, data, alpha, key_init, setup.B)
     dtype = jnp.result_type(*jax.tree.leaves(params))
     own = _own(setup.personalized, theta)
@@ -374,7 +388,7 @@ def _init(setup: _Setup, params, data: ClientData, key) -> FedState:
 def _round(setup: _Setup, state: FedState, data: ClientData) -> tuple[FedState, RoundInfo]:
     """``round`` of :func:`karula`."""
     _check_data(setup, data)
-    alpha, mask, idx, key_batch = C.begin_round(state, data, setup.s, setup.weights)
+    alpha, mask, idx, key_batch = begin_round(state, data, setup.s, setup.weights)
     a_s = alpha[idx]
     values, G, nu, memory = saga_round(
         setup.loss,
@@ -391,13 +405,13 @@ def _round(setup: _Setup, state: FedState, data: ClientData) -> tuple[FedState, 
     v = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
     theta, pinfo = _project(setup, v, state.proj_state)
     info = RoundInfo(
-        loss=C.weighted_mean(values, a_s),
+        loss=weighted_mean(values, a_s),
         participants=mask,
         proj_delta=jnp.asarray(pinfo.delta, jnp.float32),
         proj_violation=jnp.asarray(pinfo.max_violation, jnp.float32),
         proj_iterations=jnp.asarray(pinfo.iterations, jnp.int32),
         proj_converged=jnp.asarray(pinfo.converged, bool),
-        finite=C.all_finite(values, G, theta),
+        finite=all_finite(values, G, theta),
     )
     new_state = FedState(
         params=theta,

@@ -27,9 +27,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax import _linalg
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import (
+    check_nonnegative,
+    check_positive,
+    check_positive_int,
+    concrete,
+    defer,
+)
 from karula_jax.algorithms._graph import check_dissimilarity, graph_laplacian, weights_numpy
 from karula_jax.algorithms._personalized import check_personalized, personalized_flags
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info
+from karula_jax.algorithms._sampling import init_and_run_keys
+from karula_jax.algorithms._trees import all_finite, broadcast
+from karula_jax.algorithms._validation import (
+    check_clients_per_round,
+    check_params,
+    check_weights,
+    resolve_weights,
+)
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
@@ -62,10 +77,10 @@ def graph_weights(D, *, scale=None) -> jnp.ndarray:
     """
     check_dissimilarity(D)
     if scale is not None:
-        C.check_positive("scale", scale)
-    d = C.concrete(D)
+        check_positive("scale", scale)
+    d = concrete(D)
     dtype = jnp.float64 if jnp.result_type(D) == jnp.float64 else jnp.float32
-    if d is not None and (scale is None or C.concrete(scale) is not None):
+    if d is not None and (scale is None or concrete(scale) is not None):
         return jnp.asarray(weights_numpy(d, scale), dtype)
     D = jnp.asarray(D, dtype)
     n = D.shape[0]
@@ -80,15 +95,15 @@ def graph_weights(D, *, scale=None) -> jnp.ndarray:
 
 
 def _check_weight_matrix(W, n: int) -> None:
-    w = C.concrete(W)
+    w = concrete(W)
     if w is None:
         if jnp.shape(W) != (n, n):
             raise ValueError(f"graph_weights must have shape ({n}, {n}), got {jnp.shape(W)}")
         w = jnp.asarray(W)
-        C.defer("graph_weights are not finite", jnp.all(jnp.isfinite(w)))
-        C.defer("graph_weights are negative (they must be >= 0)", jnp.all(~(w < 0)))
+        defer("graph_weights are not finite", jnp.all(jnp.isfinite(w)))
+        defer("graph_weights are negative (they must be >= 0)", jnp.all(~(w < 0)))
         close = jnp.abs(w - w.T) <= 1e-8 + 1e-5 * jnp.abs(w.T)
-        C.defer("graph_weights are not symmetric", jnp.all(close))
+        defer("graph_weights are not symmetric", jnp.all(close))
         return
     if w.shape != (n, n):
         raise ValueError(f"graph_weights must have shape ({n}, {n}) like D, got {w.shape}")
@@ -136,11 +151,11 @@ def _shrink_factors(lam, eta, mu) -> jnp.ndarray:
 def _weight_matrix(D, graph_weights, n: int):
     """The graph's weights ``W`` ``[n, n]``: float64 numpy when known, else float32."""
     if graph_weights is None:
-        d = C.concrete(D)
+        d = concrete(D)
         return weights_numpy(d) if d is not None else _default_weights(D)
     W = graph_weights(D) if callable(graph_weights) else graph_weights
     _check_weight_matrix(W, n)
-    w = C.concrete(W)
+    w = concrete(W)
     return np.asarray(w, np.float64) if w is not None else jnp.asarray(W, jnp.float32)
 
 
@@ -226,11 +241,11 @@ def laplacian_penalty(
         ``personalized`` None, or not shaped like ``params`` (at ``init``).
     """
     check_dissimilarity(D)
-    C.check_nonnegative("mu", mu, allow_inf=True)
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    C.check_weights(weights)
+    check_nonnegative("mu", mu, allow_inf=True)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    check_weights(weights)
     check_personalized(personalized)
     n = jnp.shape(D)[0]
     lam, U = _spectrum(_weight_matrix(D, graph_weights, n))
@@ -240,18 +255,18 @@ def laplacian_penalty(
     def _check_data(data: ClientData) -> None:
         if data.num_clients != n:
             raise ValueError(f"D has shape {D.shape} but data hold {data.num_clients} clients")
-        C.check_clients_per_round(s, n)
+        check_clients_per_round(s, n)
 
     def _flags(params):
         return personalized_flags(personalized, params)
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         _flags(params)  # its structure
         _check_data(data)
-        key_init, key_run = C.init_and_run_keys(key)
-        theta = C.broadcast(params, n)
-        alpha = C.resolve_weights(weights, data)
+        key_init, key_run = init_and_run_keys(key)
+        theta = broadcast(params, n)
+        alpha = resolve_weights(weights, data)
         memory = init_memory(loss, theta, data, alpha, key_init, B)
         return FedState(
             params=theta,
@@ -264,7 +279,7 @@ def laplacian_penalty(
 
     def round_fn(state: FedState, data: ClientData):
         _check_data(data)
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         a_s = alpha[idx]
         values, G, nu, memory = saga_round(
             loss, state.params, state.memory, data, idx, key_batch, a_s, B
@@ -272,10 +287,10 @@ def laplacian_penalty(
         eta = learning_rate
         theta_half = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
         theta = _prox(theta_half, _flags(theta_half), _shrink_factors(lam, eta, mu), U)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, G, theta))
+        info = round_info(values, a_s, mask, all_finite(values, G, theta))
         return state._replace(params=theta, memory=memory, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)
 
 
 _default_weights = graph_weights

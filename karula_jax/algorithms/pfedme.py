@@ -6,7 +6,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_nonnegative, check_positive, check_positive_int
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import client_batch, client_keys, run_key
+from karula_jax.algorithms._trees import all_finite, scatter, tree_sq_dist, weighted_mean
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -66,26 +70,26 @@ def pfedme(
       An :class:`Algorithm`; ``state.params`` are the personalized models ``[n, ...]``,
       ``state.extra`` the global model ``w`` (no client axis).
     """
-    C.check_nonnegative("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    C.check_positive("lam", lam)
-    C.check_positive("personal_learning_rate", personal_learning_rate)
-    K = C.check_positive_int("inner_steps", inner_steps)
-    R = C.check_positive_int("local_steps", local_steps)
-    C.check_positive("beta", beta)
-    C.check_weights(weights)
+    check_nonnegative("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    check_positive("lam", lam)
+    check_positive("personal_learning_rate", personal_learning_rate)
+    K = check_positive_int("inner_steps", inner_steps)
+    R = check_positive_int("local_steps", local_steps)
+    check_positive("beta", beta)
+    check_weights(weights)
 
     def client(w, x, y, count, key):
         def prox_objective(theta, center, xb, yb, mb):
             value = loss(theta, xb, yb, mb)
-            return value + 0.5 * lam * C.tree_sq_dist(theta, center), value
+            return value + 0.5 * lam * tree_sq_dist(theta, center), value
 
         grad = jax.grad(prox_objective, has_aux=True)
 
         def local_step(carry, r):
             w_i, _ = carry
-            xb, yb, mb = C.client_batch(jax.random.fold_in(key, r), x, y, count, B)
+            xb, yb, mb = client_batch(jax.random.fold_in(key, r), x, y, count, B)
 
             def inner(theta, _):
                 g, value = grad(theta, w_i, xb, yb, mb)
@@ -100,24 +104,24 @@ def pfedme(
         return w_i, theta, values[0]
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         n = data.num_clients
-        C.check_clients_per_round(s, n)
+        check_clients_per_round(s, n)
         w = jax.tree.map(jnp.asarray, params)
-        return C.start_state(w, n, C.run_key(key), extra=w)
+        return start_state(w, n, run_key(key), extra=w)
 
     def round_fn(state: FedState, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         w = state.extra
-        keys = C.client_keys(key_batch, idx)
+        keys = client_keys(key_batch, idx)
         w_rows, thetas, values = jax.vmap(client, in_axes=(None, 0, 0, 0, 0))(
             w, data.x[idx], data.y[idx], data.counts[idx], keys
         )
         a_s = alpha[idx]
-        avg = C.weighted_mean(w_rows, a_s, otherwise=w)
+        avg = weighted_mean(w_rows, a_s, otherwise=w)
         w = jax.tree.map(lambda old, new: (1 - beta) * old + beta * new, w, avg)
-        params = C.scatter(state.params, idx, thetas)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, thetas, w))
+        params = scatter(state.params, idx, thetas)
+        info = round_info(values, a_s, mask, all_finite(values, thetas, w))
         return state._replace(params=params, extra=w, round=state.round + 1), info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from karula_jax._checks import check_nonnegative
 from karula_jax._smoothness import linear_smoothness
-from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._validation import check_weights
 from karula_jax.data.clients import ClientData, client_weights
 
 __all__ = ["lipschitz_logistic", "lipschitz_ridge"]
@@ -25,13 +26,13 @@ def _product_space_constant(
     ``L_i = scale * lambda_max(Z_i^T Z_i / N_i) + lam``, ``Z_i = X_i`` or ``[X_i, 1]``."""
     if not isinstance(data, ClientData):
         raise TypeError(f"data must be a ClientData, got {type(data).__name__}")
-    C.check_nonnegative("lam", lam)
+    check_nonnegative("lam", lam)
     counts = np.asarray(data.counts)
     L_i = linear_smoothness(data, lam, intercept=intercept, curvature=scale, float64=True)
     if weights is None:
         alpha = np.asarray(client_weights(counts), dtype=np.float64)
     else:
-        C.check_weights(weights, counts.shape[0])
+        check_weights(weights, counts.shape[0])
         alpha = np.asarray(weights, dtype=np.float64)
     L = float(np.max(alpha * L_i))
     return L if per_client else L / counts.shape[0]

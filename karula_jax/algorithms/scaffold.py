@@ -9,12 +9,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_positive, check_positive_int
 from karula_jax.algorithms._personalized import (
     check_personalized,
     personalized_flags,
     shared_leaves,
 )
+from karula_jax.algorithms._rounds import begin_round, own_params, round_info, start_state
+from karula_jax.algorithms._sampling import client_batch, client_keys, run_key
+from karula_jax.algorithms._trees import all_finite, broadcast, gather, scatter, weighted_mean
+from karula_jax.algorithms._validation import check_clients_per_round, check_params, check_weights
 from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.data.clients import ClientData
 
@@ -25,7 +29,7 @@ def _client(loss, learning_rate, E, B, x0, correction, xd, yd, count, key):
     """``E`` steps ``y <- y - lr (g(y) + correction)`` with ``correction = c - c_i``."""
 
     def step(p, e):
-        xb, yb, mb = C.client_batch(jax.random.fold_in(key, e), xd, yd, count, B)
+        xb, yb, mb = client_batch(jax.random.fold_in(key, e), xd, yd, count, B)
         value, g = jax.value_and_grad(loss)(p, xb, yb, mb)
         p = jax.tree.map(lambda a, b, d: a - learning_rate * (b + d), p, g, correction)
         return p, value
@@ -105,39 +109,39 @@ def scaffold(
       ``state.memory`` the client controls ``c_i`` (leaves ``[n, ...]``) and
       ``state.extra`` the server control ``c`` (no client axis).
     """
-    C.check_positive("learning_rate", learning_rate)
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    B = C.check_positive_int("batch_size", batch_size)
-    E = C.check_positive_int("local_steps", local_steps)
-    C.check_positive("global_learning_rate", global_learning_rate)
-    C.check_weights(weights)
+    check_positive("learning_rate", learning_rate)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    B = check_positive_int("batch_size", batch_size)
+    E = check_positive_int("local_steps", local_steps)
+    check_positive("global_learning_rate", global_learning_rate)
+    check_weights(weights)
     check_personalized(personalized)
 
     client = functools.partial(_client, loss, learning_rate, E, B)
 
     def init(params, data: ClientData, *, key) -> FedState:
-        C.check_params(loss, params, data)
+        check_params(loss, params, data)
         n = data.num_clients
-        C.check_clients_per_round(s, n)
+        check_clients_per_round(s, n)
         x = jax.tree.map(jnp.asarray, params)
         zeros = jax.tree.map(jnp.zeros_like, x)
-        return C.start_state(
+        return start_state(
             x,
             n,
-            C.run_key(key),
-            memory=C.broadcast(zeros, n),
+            run_key(key),
+            memory=broadcast(zeros, n),
             extra=zeros,
             shared=shared_leaves(personalized, x),
         )
 
     def round_fn(state: FedState, data: ClientData):
-        alpha, mask, idx, key_batch = C.begin_round(state, data, s, weights)
+        alpha, mask, idx, key_batch = begin_round(state, data, s, weights)
         a_s = alpha[idx]
         c = state.extra
-        x_rows = C.gather(state.params, idx)
-        c_rows = C.gather(state.memory, idx)
+        x_rows = gather(state.params, idx)
+        c_rows = gather(state.memory, idx)
         correction = jax.tree.map(lambda ci, cs: cs[None] - ci, c_rows, c)
-        keys = C.client_keys(key_batch, idx)
+        keys = client_keys(key_batch, idx)
         y_rows, values = jax.vmap(client)(
             x_rows, correction, data.x[idx], data.y[idx], data.counts[idx], keys
         )
@@ -151,9 +155,9 @@ def scaffold(
             c_plus,
             c_rows,
         )
-        memory = C.scatter(state.memory, idx, c_plus)
+        memory = scatter(state.memory, idx, c_plus)
         no_step = jax.tree.map(lambda d: jnp.zeros_like(d[0]), delta)  # all weights 0
-        step = C.weighted_mean(delta, a_s, otherwise=no_step)
+        step = weighted_mean(delta, a_s, otherwise=no_step)
 
         def new_params(f, p, y, d):
             if f:
@@ -161,8 +165,8 @@ def scaffold(
             return (p[0] + global_learning_rate * d)[None].astype(p.dtype)  # stored once
 
         params = jax.tree.map(new_params, flags, state.params, y_rows, step)
-        info = C.round_info(values, a_s, mask, C.all_finite(values, y_rows, c_plus, c))
+        info = round_info(values, a_s, mask, all_finite(values, y_rows, c_plus, c))
         new_state = state._replace(params=params, memory=memory, extra=c, round=state.round + 1)
         return new_state, info
 
-    return Algorithm(init=init, round=round_fn, client_params=C.own_params)
+    return Algorithm(init=init, round=round_fn, client_params=own_params)

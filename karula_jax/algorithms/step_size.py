@@ -31,8 +31,11 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from karula_jax import _linalg
-from karula_jax.algorithms import _common as C
+from karula_jax._checks import check_key, check_positive, check_positive_int, concrete, defer
 from karula_jax.algorithms._graph import graph_laplacian
+from karula_jax.algorithms._sampling import client_batch, client_keys
+from karula_jax.algorithms._trees import broadcast, scale_rows
+from karula_jax.algorithms._validation import check_clients_per_round, check_params
 from karula_jax.data.clients import ClientData
 
 __all__ = [
@@ -162,8 +165,8 @@ def karula_learning_rate(
     """
     alpha = jnp.asarray(weights, jnp.float32)
     n = alpha.shape[0]
-    s = C.check_positive_int("clients_per_round", clients_per_round)
-    C.check_clients_per_round(s, n)
+    s = check_positive_int("clients_per_round", clients_per_round)
+    check_clients_per_round(s, n)
     a = alpha * jnp.broadcast_to(jnp.asarray(smoothness, jnp.float32), (n,))
     l_max, l_bar = jnp.max(a), jnp.mean(a)
     free = s * stability_factor(s / n) / (2.0 * l_max)
@@ -217,12 +220,12 @@ def local_optima(loss, params: Any, data: ClientData, smoothness, *, steps: int 
     n = data.num_clients
     L = jnp.broadcast_to(jnp.asarray(smoothness, jnp.float32), (n,))
     inv = jnp.where(L > 0, 1.0 / jnp.where(L > 0, L, 1.0), 0.0)
-    theta = C.broadcast(params, n)
+    theta = broadcast(params, n)
     grad = jax.vmap(jax.grad(loss))
 
     def step(th, _):
         g = grad(th, data.x, data.y, data.mask)
-        return jax.tree.map(lambda a, b: a - C.scale_rows(inv, b), th, g), None
+        return jax.tree.map(lambda a, b: a - scale_rows(inv, b), th, g), None
 
     return lax.scan(step, theta, None, length=steps)[0]
 
@@ -294,22 +297,22 @@ def smoothness_estimate(
 
     Raises:
       TypeError/ValueError: ``params`` that do not fit the data (see
-        ``_common.check_params``), a bad key, ``iterations < 1`` or ``safety <= 0``.
+        ``_validation.check_params``), a bad key, ``iterations < 1`` or ``safety <= 0``.
     """
-    C.check_params(loss, params, data)
-    C.check_key("key", key)
-    iterations = C.check_positive_int("iterations", iterations)
-    C.check_positive("safety", safety)
+    check_params(loss, params, data)
+    check_key("key", key)
+    iterations = check_positive_int("iterations", iterations)
+    check_positive("safety", safety)
     return (safety * _power_iteration(loss, params, data, key, iterations)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _power_iteration(loss, params, data, key, iterations):
     flat, unravel = ravel_pytree(params)
-    keys = C.client_keys(key, jnp.arange(data.num_clients))
+    keys = client_keys(key, jnp.arange(data.num_clients))
 
     def one_client(x, y, count, k):
-        xb, yb, mb = C.client_batch(k, x, y, count, x.shape[0])  # every real row
+        xb, yb, mb = client_batch(k, x, y, count, x.shape[0])  # every real row
 
         def grad(v):
             return ravel_pytree(jax.grad(loss)(unravel(v), xb, yb, mb))[0]
@@ -330,11 +333,11 @@ def _power_iteration(loss, params, data, key, iterations):
 
 
 def _check_smoothness_value(value, n: int | None, where: str) -> None:
-    v = C.concrete(value)
+    v = concrete(value)
     if v is None:
         v = jnp.asarray(value)
-        C.defer(f"smoothness ({where}) is not finite", jnp.all(jnp.isfinite(v)))
-        C.defer(f"smoothness ({where}) is negative (it must be >= 0)", jnp.all(~(v < 0)))
+        defer(f"smoothness ({where}) is not finite", jnp.all(jnp.isfinite(v)))
+        defer(f"smoothness ({where}) is negative (it must be >= 0)", jnp.all(~(v < 0)))
         return
     if v.dtype == bool or not np.issubdtype(v.dtype, np.number):
         raise TypeError(f"smoothness must be real numbers, got {where} of dtype {v.dtype}")

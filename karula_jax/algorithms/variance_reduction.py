@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from karula_jax.algorithms import _common as C
+from karula_jax.algorithms._gradients import participant_value_and_grads
+from karula_jax.algorithms._trees import scale_rows, scatter
 from karula_jax.algorithms.base import LossFn
 from karula_jax.data.clients import ClientData
+from karula_jax.projection.reduction import client_mean
 
 __all__ = ["init_memory", "saga_round", "variance_reduced_direction"]
 
@@ -39,8 +41,8 @@ def init_memory(loss: LossFn, theta: Any, data: ClientData, alpha, key, batch_si
       The memory, leaves ``[n, ...]`` like ``theta``.
     """
     everyone = jnp.arange(data.num_clients, dtype=jnp.int32)
-    _, grads = C.participant_value_and_grads(loss, theta, data, everyone, key, batch_size)
-    return jax.tree.map(lambda g: C.scale_rows(alpha, g), grads)
+    _, grads = participant_value_and_grads(loss, theta, data, everyone, key, batch_size)
+    return jax.tree.map(lambda g: scale_rows(alpha, g), grads)
 
 
 def variance_reduced_direction(
@@ -73,7 +75,7 @@ def variance_reduced_direction(
     def mean_leaf(m, g):
         # (1/n) sum_i nu_i = mean(m) / n + sum_S (G_i - m_i) / (s n)
         n = m.shape[0]
-        total = C.client_mean(m) / n + jnp.sum(g - m[idx], axis=0) / (s * n)
+        total = client_mean(m) / n + jnp.sum(g - m[idx], axis=0) / (s * n)
         return total[None].astype(m.dtype)
 
     if shared is None:
@@ -81,7 +83,7 @@ def variance_reduced_direction(
     else:
         nu = jax.tree.map(lambda f, m, g: mean_leaf(m, g) if f else leaf(m, g), shared, memory, G)
     # The write waits for nu, i.e. for every read of m: the memory is updated in place.
-    return nu, C.scatter(memory, idx, G, after=nu)
+    return nu, scatter(memory, idx, G, after=nu)
 
 
 def saga_round(
@@ -113,7 +115,7 @@ def saga_round(
       gradients ``G_i = alpha_i g_i`` (leaves ``[s, ...]``), the direction and the updated
       memory of :func:`variance_reduced_direction`.
     """
-    values, grads = C.participant_value_and_grads(loss, params, data, idx, key, B)
-    G = jax.tree.map(lambda g: C.scale_rows(a_s, g), grads)
+    values, grads = participant_value_and_grads(loss, params, data, idx, key, B)
+    G = jax.tree.map(lambda g: scale_rows(a_s, g), grads)
     nu, memory = variance_reduced_direction(memory, G, idx, shared=shared)
     return values, G, nu, memory
