@@ -33,6 +33,7 @@ __all__ = [
     "GRID_KINDS",
     "REGISTRY",
     "SUITE",
+    "PERSONAL",
     "TAGS",
     "Method",
     "MethodRow",
@@ -174,6 +175,7 @@ def cross_choice(
 
 GRID_KINDS = ("traced", "static", "choice")
 TAGS = ("paper", "baseline", "uses-D", "variant")
+PERSONAL = ("no", "optional", "required")
 
 
 class MethodRow(NamedTuple):
@@ -212,6 +214,10 @@ class MethodRow(NamedTuple):
         FedAvg's k): where :func:`build_methods` is told the number of clients ``n``,
         every value ``>= n`` is a natural limit as well (at most one group per client:
         no wider grid exists).
+      personal: whether the factory takes ``personalized`` (:data:`PERSONAL`): ``"no"``,
+        ``"optional"`` (a mask of the leaves each client keeps, with the factory's own
+        default) or ``"required"`` (FedPer): :func:`build_methods`' ``personalized``
+        reaches every row that takes it, and a required one without it is refused there.
       tags: what the method is to a study (:data:`TAGS`): ``"paper"`` (the paper's own
         comparison), ``"baseline"`` (another federated method), ``"uses-D"`` (another
         use of Karula's ``D``), ``"variant"`` (Karula changed in one respect); a study
@@ -231,6 +237,7 @@ class MethodRow(NamedTuple):
     projects: bool = False
     bound: str | None = None
     groups: bool = False
+    personal: str = "no"
     tags: tuple[str, ...] = ()
 
     def method(
@@ -347,7 +354,7 @@ _PAPER = ("paper",)
 _ROWS = (
     MethodRow("Local", A.local, rates={"learning_rate": "local"}, settings=_COMMON, tags=_PAPER),
     MethodRow("FedSGD", A.fedsgd, rates={"learning_rate": "fedsgd"}, settings=_COMMON, tags=_PAPER),
-    MethodRow("FedAvg", A.fedavg, tags=_PAPER),
+    MethodRow("FedAvg", A.fedavg, personal="optional", tags=_PAPER),
     MethodRow(
         "IFCA",
         A.ifca,
@@ -379,6 +386,7 @@ _ROWS = (
         members=_D,
         settings=_COMMON,
         projects=True,
+        personal="optional",
         tags=_PAPER,
     ),
     MethodRow(
@@ -387,15 +395,17 @@ _ROWS = (
         hyper="mu",
         grid=(0.01, 0.1, 1.0, 10.0),
         rates={"learning_rate": "fedprox"},
+        personal="optional",
         tags=("baseline",),
     ),
-    MethodRow("SCAFFOLD", A.scaffold, tags=("baseline",)),
+    MethodRow("SCAFFOLD", A.scaffold, personal="optional", tags=("baseline",)),
     MethodRow(
         "Ditto",
         A.ditto,
         hyper="lam",
         grid=(0.01, 0.1, 1.0, 10.0),
         rates={"learning_rate": "fedavg", "personal_learning_rate": "ditto_personal"},
+        personal="optional",
         tags=("baseline",),
     ),
     MethodRow(
@@ -407,6 +417,7 @@ _ROWS = (
         members=_D,
         settings=_COMMON,
         shown="mu/L_f",
+        personal="optional",
         tags=("uses-D",),
     ),
     MethodRow(
@@ -417,6 +428,7 @@ _ROWS = (
         members={"labels": "labels"},
         kind="choice",
         groups=True,
+        personal="optional",
         tags=("uses-D",),
     ),
 )
@@ -432,9 +444,10 @@ _VARIANTS = (
         members=_D,
         settings=_COMMON,
         projects=True,
+        personal="optional",
         tags=("variant",),
     ),
-    MethodRow("FedPer", _fedper, tags=("variant",)),
+    MethodRow("FedPer", _fedper, personal="required", tags=("variant",)),
 )
 REGISTRY: dict[str, MethodRow] = {row.name: row for row in _ROWS + _VARIANTS}
 
@@ -471,6 +484,8 @@ def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
         raise TypeError(f"row.name must be a string, got {row.name!r}")
     if row.kind not in GRID_KINDS:
         raise ValueError(f"{row.name}: kind must be one of {GRID_KINDS}, got {row.kind!r}")
+    if row.personal not in PERSONAL:
+        raise ValueError(f"{row.name}: personal must be one of {PERSONAL}, got {row.personal!r}")
     if not isinstance(row.tags, tuple) or any(tag not in TAGS for tag in row.tags):
         raise ValueError(f"{row.name}: tags must be a tuple of {TAGS}, got {row.tags!r}")
     if row.name in REGISTRY and not replace:
@@ -488,6 +503,7 @@ def build_methods(
     options: Mapping[str, Mapping[str, Any]] | None = None,
     registry: Mapping[str, MethodRow] | None = None,
     num_clients: int | None = None,
+    personalized: Any = None,
     **settings,
 ) -> dict[str, Method]:
     """The :class:`Method` of every method in ``names``, from its registry row.
@@ -510,6 +526,12 @@ def build_methods(
       num_clients: the study's number of clients, if known: a CV choice of ``k >=
         num_clients`` groups is then a natural limit of a row with ``groups`` (not an
         edge of its grid to widen).
+      personalized: the leaves each client keeps, for every method of the comparison
+        that has the notion (rows with ``personal`` "optional" or "required": Karula,
+        FedAvg's personal layers, FedPer, Ditto, ...; a method's own ``options`` entry
+        wins): True, False or a pytree of bools like the model (e.g.
+        :func:`karula_jax.models.output_layer_mask`). None: each factory's default, and
+        a method that requires it (FedPer) is refused here, before anything runs.
       **settings: study-wide factory keywords (``clients_per_round``, ``batch_size``,
         ``local_steps``); each method takes those its row lists.
 
@@ -518,7 +540,8 @@ def build_methods(
 
     Raises:
       ValueError: a name is not registered or given twice; a row's rate rule is missing
-        from ``rates``; ``num_clients < 1``; an empty grid.
+        from ``rates``; ``num_clients < 1``; an empty grid; a method requires
+        ``personalized`` and neither it nor the method's options give it.
       TypeError: ``names`` is a string; ``num_clients`` is not an int; a setting that no
         registered row takes (a misspelt ``local_steps`` was dropped silently).
     """
@@ -537,6 +560,7 @@ def build_methods(
     if stray:
         raise TypeError(f"unknown setting(s) {stray}; the rows take {sorted(taken)}")
     rows = {name: registry[name] for name in names}
+    options = _with_personalized(rows, options, personalized)
     if num_clients is not None:
         n = check_positive_int("num_clients", num_clients)
         rows |= {name: _up_to_clients(row, n) for name, row in rows.items() if row.groups}
@@ -544,6 +568,30 @@ def build_methods(
         name: row.method(loss, rates, grid=grids.get(name), options=options.get(name), **settings)
         for name, row in rows.items()
     }
+
+
+def _with_personalized(rows, options, personalized) -> dict[str, Mapping[str, Any]]:
+    """``options`` with ``personalized`` added for every row that takes it (a method's own
+    entry wins); a ValueError naming the methods that require it and lack it."""
+    takes = {name for name, row in rows.items() if row.personal != "no"}
+    if personalized is not None:
+        options = {
+            name: {"personalized": personalized} | dict(options.get(name, {}))
+            if name in takes
+            else options.get(name, {})
+            for name in set(options) | takes
+        }
+    lacking = [
+        name
+        for name, row in rows.items()
+        if row.personal == "required" and options.get(name, {}).get("personalized") in (None, False)
+    ]
+    if lacking:
+        raise ValueError(
+            f"{lacking} need `personalized` (True or a mask of the leaves each client keeps, "
+            f"e.g. models.output_layer_mask(params)): pass build_methods(personalized=...)"
+        )
+    return options
 
 
 def _up_to_clients(row: MethodRow, num_clients: int) -> MethodRow:
