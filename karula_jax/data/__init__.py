@@ -6,6 +6,7 @@ from karula_jax.data.heart_disease import HeartDiseaseData, load_heart_disease
 from karula_jax.data.leaf import LeafData, load_leaf
 from karula_jax.data.partition import split_dirichlet, split_feature_shift, split_label_skew
 from karula_jax.data.random_clients import random_classification
+from karula_jax.data.splits import train_test_split
 from karula_jax.data.synthetic import SyntheticRidge, synthetic_ridge
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "split_feature_shift",
     "split_label_skew",
     "synthetic_ridge",
+    "train_test_split",
 ]
