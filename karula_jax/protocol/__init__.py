@@ -73,6 +73,7 @@ from karula_jax.protocol.study import (
     study_rows,
     write_study,
 )
+from karula_jax.protocol.t_grid import binding_t_grid
 
 __all__ = [
     "GRID_KINDS",
@@ -87,6 +88,7 @@ __all__ = [
     "Study",
     "StudyData",
     "StudyResult",
+    "binding_t_grid",
     "build_methods",
     "choice_grid",
     "cross_choice",
