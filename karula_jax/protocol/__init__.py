@@ -52,6 +52,7 @@ from karula_jax.protocol.methods import (
     tagged,
 )
 from karula_jax.protocol.rates import (
+    default_rate_rules,
     default_rates,
     member_default_rates,
     smoothness_constants,
@@ -96,6 +97,7 @@ __all__ = [
     "compare",
     "cross_validate",
     "cv_datasets",
+    "default_rate_rules",
     "default_rates",
     "describe_grids",
     "draw_study",

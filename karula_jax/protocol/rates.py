@@ -24,6 +24,7 @@ from karula_jax.algorithms.base import LossFn
 from karula_jax.data.clients import ClientData, client_weights
 
 __all__ = [
+    "default_rate_rules",
     "default_rates",
     "member_default_rates",
     "smoothness_constants",
@@ -96,6 +97,61 @@ def default_rates(loss: LossFn, params, data: ClientData, clients_per_round: int
     karula = A.karula_learning_rate(L_i, alpha, clients_per_round)
     n = data.num_clients
     return {"karula": float(karula), "local": n / a.max(), "fedavg": 1.0 / float(L_i.max())}
+
+
+def default_rate_rules() -> dict[str, Callable[..., Any]]:
+    """Every rate rule of the registry from each member's default steps.
+
+    The rules read the member argument ``steps``, the ``{"karula", "local", "fedavg":
+    [B]}`` of :func:`member_default_rates` (pass ``member_kwargs={"steps": steps}`` to
+    :func:`~karula_jax.protocol.compare`), and the grid point where a rule depends on the
+    method's hyperparameter. With ``L`` the largest client smoothness (``fedavg = 1 / L``,
+    half the gradient-descent limit) and ``L_f = 1 / local``:
+
+    ==================  ============================  ==============================
+    rule                step                          method (keyword)
+    ==================  ============================  ==============================
+    ``karula``          ``karula``                    Karula (learning_rate)
+    ``local``           ``local``                     Local
+    ``fedavg``          ``fedavg``                    FedAvg, SCAFFOLD, Ditto, FedPer,
+                                                      clustered FedAvg
+    ``fedsgd``          ``fedavg``                    FedSGD (the mean loss is at most
+                                                      ``L``-smooth)
+    ``ifca``            ``fedavg``                    IFCA
+    ``fedprox``         ``fedavg / (1 + mu fedavg)``  FedProx (``L + mu``-smooth local
+                                                      objective)
+    ``pfedme``          ``fedavg + 1 / lam``          pFedMe (``1 / L_env``, the Moreau
+                                                      envelope's ``lam L / (lam + L)``)
+    ``pfedme_personal`` ``fedavg / (1 + lam fedavg)`` pFedMe (personal_learning_rate)
+    ``ditto_personal``  ``fedavg``                    Ditto (personal_learning_rate)
+    ``penalty``         ``karula``                    Laplacian penalty on D
+    ``penalty_mu``      ``mu / local`` (``mu L_f``)   Laplacian penalty (mu, a multiple
+                                                      of ``L_f``)
+    ==================  ============================  ==============================
+
+    Returns:
+      ``{rule name: rule(steps, **grid_point) -> step}`` for ``build_methods(rates=...)``.
+
+    Examples:
+      >>> from karula_jax.protocol import default_rate_rules
+      >>> rules = default_rate_rules()
+      >>> steps = {"karula": 0.5, "local": 2.0, "fedavg": 0.25}
+      >>> rules["fedprox"](steps=steps, mu=4.0)  # 0.25 / (1 + 4 * 0.25)
+      0.125
+    """
+    return {
+        "karula": lambda steps, **_: steps["karula"],
+        "local": lambda steps, **_: steps["local"],
+        "fedavg": lambda steps, **_: steps["fedavg"],
+        "fedsgd": lambda steps, **_: steps["fedavg"],
+        "ifca": lambda steps, **_: steps["fedavg"],
+        "fedprox": lambda steps, mu, **_: steps["fedavg"] / (1 + mu * steps["fedavg"]),
+        "pfedme": lambda steps, lam, **_: steps["fedavg"] + 1 / lam,
+        "pfedme_personal": lambda steps, lam, **_: steps["fedavg"] / (1 + lam * steps["fedavg"]),
+        "ditto_personal": lambda steps, **_: steps["fedavg"],
+        "penalty": lambda steps, **_: steps["karula"],
+        "penalty_mu": lambda steps, mu, **_: mu / steps["local"],
+    }
 
 
 def _fits(loss: LossFn, params, data: ClientData) -> bool:
