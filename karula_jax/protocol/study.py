@@ -166,11 +166,23 @@ def draw_study(
 
 
 def selected(names: Sequence[str], order: Sequence[str] | None = None, reference="Karula") -> list:
-    """The methods of ``order`` (default: every registered method, in the registry's order)
-    that ``names`` holds, in that order; ``reference`` always (the table's paired reference).
+    """The methods to run: those of ``order`` (default: every registered method, in the
+    registry's order) that ``names`` holds, in that order, then the other registered
+    methods of ``names`` in the order given (a method of one's own runs in any study that
+    names it); ``reference`` always (the table's paired reference).
+
+    Raises:
+      TypeError: ``names`` is a string (one name is ``("Mine",)``).
+      ValueError: a name that is not registered (:func:`~karula_jax.protocol.register`).
     """
-    order = tuple(REGISTRY) if order is None else order
-    return [m for m in order if m in names or m == reference]
+    if isinstance(names, str):
+        raise TypeError(f"names must be a sequence of method names, got the string {names!r}")
+    unknown = [m for m in names if m not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; registered: {list(REGISTRY)}")
+    order = tuple(REGISTRY) if order is None else tuple(order)
+    chosen = [m for m in order if m in names or m == reference]
+    return chosen + [m for m in dict.fromkeys(names) if m not in chosen]
 
 
 def describe_grids(methods: Mapping[str, Method]) -> str:
