@@ -125,3 +125,23 @@ def _release_compiled_programs():
     (``vm.max_map_count``, 65530 by default)."""
     yield
     jax.clear_caches()
+
+
+# Modules that run a study, a notebook or several processes end to end: the slow tier, which
+# `pytest -m "not slow"` (the inner loop) leaves out and the full suite (CI) runs.
+_SLOW_MODULES = {
+    "test_distributed.py",
+    "test_femnist_experiment.py",
+    "test_heart_experiment.py",
+    "test_notebooks.py",
+    "test_sharding.py",
+    "test_study_own_method.py",
+    "test_synthetic_experiment.py",
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks every test of :data:`_SLOW_MODULES` ``slow``."""
+    for item in items:
+        if item.path.name in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
