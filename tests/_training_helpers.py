@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerances import reordered_sum
 
 from karula_jax.algorithms.base import Algorithm, FedState, RoundInfo
 from karula_jax.data import from_client_arrays
@@ -128,3 +129,38 @@ def leaves_equal(a, b):
 
 def stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+# The float32 terms of one toy round on ``make_data``'s clients (at most 6 rows of 3
+# coordinates): a client's gradient over its rows and coordinates, the mean over its 5
+# clients, and 4 elementwise steps (noise, step, averaging).
+TOY_TERMS = 6 + 3 + 5 + 4
+
+
+def toy_rounding(rounds: int) -> float:
+    """Relative difference of two programs (chunked, vmapped, one scan) for ``rounds`` toy
+    rounds, of the models' scale: :func:`reordered_sum` of a round's terms, compounded
+    round by round (the toy need not contract: its non-participants only average)."""
+    return reordered_sum(TOY_TERMS, rounds=rounds)
+
+
+def scale(tree) -> float:
+    """The largest magnitude over the leaves of ``tree`` (the scale of a comparison)."""
+    return max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(tree))
+
+
+def toy_loss_bound(loss, rounds: int, params_scale: float) -> np.ndarray:
+    """Bound on two programs' difference of toy losses ``L = 0.5 mean ||x - a - b||^2``
+    after ``rounds`` rounds, elementwise: models apart by ``toy_rounding(rounds)`` of their
+    scale ``S`` in ``a`` (3 coordinates) and ``b`` move ``L`` by ``sqrt(2 L)`` times that
+    distance, at most ``2 sqrt(3)`` of it (Cauchy-Schwarz over the rows); the loss's own
+    sums round by ``reordered_sum(TOY_TERMS)`` of it (nonnegative terms)."""
+    loss = np.abs(np.asarray(loss, np.float64))
+    moved = np.sqrt(2.0 * loss) * 2.0 * np.sqrt(3.0) * toy_rounding(rounds) * params_scale
+    return moved + reordered_sum(TOY_TERMS) * loss
+
+
+def assert_within(actual, desired, bound) -> None:
+    """``|actual - desired| <= bound`` elementwise (``bound`` an array of the same shape)."""
+    err = np.abs(np.asarray(actual, np.float64) - np.asarray(desired, np.float64))
+    assert np.all(err <= bound), float(np.max(err - bound))

@@ -22,7 +22,7 @@ from _alg_problems import (
     true_dissimilarity,
     zeros,
 )
-from _tolerances import EPS32, reordered_sum
+from _tolerances import iteration_floor, reordered_sum
 
 from karula_jax.algorithms import karula, lipschitz_ridge, local, radii_squared
 from karula_jax.algorithms._gradients import participant_value_and_grads
@@ -48,16 +48,13 @@ def _eta(data) -> float:
 
 
 def _float32_floor(data, fraction: float = 1.0) -> float:
-    """Relative error that float32 leaves in a run at the step ``fraction * _eta(data)``,
-    at any round: with ``kappa = max alpha_i L_i / min alpha_i mu_i``, a round contracts
-    the error by ``3 fraction / (8 kappa)`` and adds the gradients' rounding (``N_max + d +
-    2`` roundings, amplified by ``kappa``) and the step's (``EPS32 / 2`` of theta), so the
-    error stays below their sum over the contraction (2e-5 to 1.2e-4 here)."""
+    """Relative error that float32 leaves in a run at the step ``fraction * _eta(data)``
+    (``3 fraction / 8`` of ``1 / L``), at any round, with ``kappa = max alpha_i L_i / min
+    alpha_i mu_i`` and gradients of ``N_max + d + 2`` roundings (2e-5 to 1.2e-4 here)."""
     A, _ = quadratics(data)
     ev = np.linalg.eigvalsh(A)
     kappa = np.max(alphas(data) * ev[:, -1]) / np.min(alphas(data) * ev[:, 0])
-    rounding = reordered_sum(data.max_count + A.shape[-1] + 2)
-    return float(kappa * (rounding + EPS32 * 4.0 / (3.0 * fraction)))
+    return iteration_floor(kappa, data.max_count + A.shape[-1] + 2, step=3.0 * fraction / 8.0)
 
 
 def _converged(data, fraction: float = 1.0) -> float:

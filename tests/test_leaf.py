@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from _tolerances import EPS32
 
 from karula_jax.data import LeafData, load_leaf
 from karula_jax.data.leaf import IMAGE_SIZE, read_leaf_file
@@ -82,11 +83,12 @@ def test_small_leaf_first_writers_in_file_order(small_leaf):
     for i, w in enumerate(out.writers):
         x, y = _digits(train[shards[w]][w])
         n = len(y)
-        np.testing.assert_allclose(np.asarray(out.train.x[i, :n]), x, atol=1e-7)
+        # pixels in [0, 1] stored in float32: EPS32 / 2 at most, twice over
+        np.testing.assert_allclose(np.asarray(out.train.x[i, :n]), x, atol=EPS32)
         np.testing.assert_array_equal(np.asarray(out.train.y[i, :n]), y)
         assert np.all(np.asarray(out.train.x[i, n:]) == 0)
         tx, ty = _digits(test[shards[w]][w])
-        np.testing.assert_allclose(np.asarray(out.test.x[i, : len(ty)]), tx, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(out.test.x[i, : len(ty)]), tx, atol=EPS32)
         np.testing.assert_array_equal(np.asarray(out.test.y[i, : len(ty)]), ty)
 
 
@@ -97,7 +99,8 @@ def test_small_leaf_all_classes_invert_and_padding(small_leaf):
     np.testing.assert_array_equal(out.train.counts, [5, 5])
     np.testing.assert_array_equal(np.asarray(out.train.y[1]), [12, 13, 14, 1, 2])
     x_raw = np.asarray(train[2]["w_c"]["x"], dtype=np.float32)
-    np.testing.assert_allclose(np.asarray(out.train.x[0]), 1.0 - x_raw, atol=1e-6)
+    # 1 - x of pixels in [0, 1]: the storage's and the subtraction's float32 roundings
+    np.testing.assert_allclose(np.asarray(out.train.x[0]), 1.0 - x_raw, atol=EPS32)
     padded = load_leaf(
         root, num_clients=2, min_samples=5, digits_only=False, max_count=9, test_max_count=4
     )
@@ -311,8 +314,13 @@ def test_femnist_default_is_first_30_eligible(shared_data_dir, femnist_all):
     for i, j in enumerate(idx):
         n = int(picked.train.counts[i])
         assert n == int(femnist_all.train.counts[j])
+        # inverted pixels in [0, 1]: one float32 rounding each side (was rtol 1e-7, of a
+        # value that can be near 0)
         np.testing.assert_allclose(
-            np.asarray(picked.train.x[i, :n]), 1.0 - np.asarray(femnist_all.train.x[j, :n])
+            np.asarray(picked.train.x[i, :n]),
+            1.0 - np.asarray(femnist_all.train.x[j, :n]),
+            rtol=0,
+            atol=EPS32,
         )
 
 

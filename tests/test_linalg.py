@@ -6,8 +6,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerances import EPS32, EPS64, reordered_sum
 
 from karula_jax import _linalg
+
+
+def _eig_tol(n, norm):
+    """Error bound of a backward-stable symmetric eigensolver (LAPACK's) in float32, as
+    eigenvalues or residual ``V W V^T - A``: ``p(n) u ||A||_2`` (Weyl), ``p(n) = 2 (n + 2)``
+    for the ``n`` reflections and the scalar steps (measured at most 3.6 ``EPS32 ||A||``)."""
+    return reordered_sum(n + 2) * norm
+
+
+def _qr_tol(shape, eps):
+    """Columnwise backward error of a Householder ``Q`` (Higham, Theorem 19.4): ``r``
+    reflections, each an ``m``-term dot product and 4 scalar roundings, ``m r u`` worst case
+    (measured at most 8 ``eps``, 30 ``eps`` for ``Q Q^T a``)."""
+    m, k = shape[-2:]
+    return reordered_sum(m + 4, rounds=min(m, k), eps=eps)
+
+
+def _assert_inverse(got, a, ref, eps):
+    """``got`` within elimination's bound of ``ref = a^-1``, entry by entry: without
+    pivoting on a diagonally dominant matrix (growth at most 2) the componentwise backward
+    error is ``n + 2`` roundings of ``|a|`` (the pivots' divisions and square roots too), so
+    ``|got - ref| <= (n + 2) eps |ref| |a| |ref|`` (measured at most 1.1 ``eps`` of it)."""
+    a = np.asarray(a, np.float64)
+    err = np.abs(np.asarray(got, np.float64) - ref)
+    bound = reordered_sum(a.shape[-1] + 2, eps=eps) * (np.abs(ref) @ np.abs(a) @ np.abs(ref))
+    assert np.all(err <= bound), float(np.max(err - bound))
 
 
 def _spd(shape, seed=0):
@@ -20,19 +47,19 @@ def _spd(shape, seed=0):
 def test_values_match_numpy_unbatched_batched_and_nested_vmap(n):
     a = _spd((2, 3, n, n), seed=n)
     ref_w = np.linalg.eigvalsh(a.astype(np.float64))
-    tol = dict(rtol=2e-4, atol=1e-3)
+    tol = dict(rtol=0, atol=_eig_tol(n, ref_w.max()))  # the largest eigenvalue: ||A||_2
     np.testing.assert_allclose(_linalg.eigvalsh(a[0, 0]), ref_w[0, 0], **tol)
     np.testing.assert_allclose(_linalg.eigvalsh(a), ref_w, **tol)
     np.testing.assert_allclose(jax.jit(jax.vmap(jax.vmap(_linalg.eigvalsh)))(a), ref_w, **tol)
     w, v = jax.vmap(_linalg.eigh)(a[0])
-    np.testing.assert_allclose(w, ref_w[0], rtol=2e-4, atol=1e-3)
-    np.testing.assert_allclose(
-        v @ (w[..., None] * np.swapaxes(v, -1, -2)), a[0], rtol=1e-3, atol=1e-3
-    )
+    np.testing.assert_allclose(w, ref_w[0], **tol)
+    w, v = np.asarray(w, np.float64), np.asarray(v, np.float64)  # the residual in float64
+    np.testing.assert_allclose(v @ (w[..., None] * np.swapaxes(v, -1, -2)), a[0], **tol)
     # unbatched arguments of a vmapped call are broadcast
     b = jnp.asarray(a[0, 0])
     out = jax.vmap(lambda s: s * _linalg.eigvalsh(b))(jnp.arange(3.0))
-    np.testing.assert_allclose(out[2], 2 * ref_w[0, 0], **tol)
+    # times 2 (exact): twice the error
+    np.testing.assert_allclose(out[2], 2 * ref_w[0, 0], rtol=0, atol=2 * tol["atol"])
 
 
 @pytest.mark.parametrize(
@@ -48,11 +75,19 @@ def test_qr_q_is_orthonormal_spans_the_columns_and_equals_lapacks(shape, dtype):
         assert q.dtype == dtype
     r = min(shape[-2:])
     eye = np.broadcast_to(np.eye(r), q.shape[:-2] + (r, r))
-    atol = 1e-5 if dtype == np.float32 else 1e-12
+    # raised where m r is large: from 1e-5 (float32) and 1e-12 (float64) to m r eps, up to
+    # 4.4e-3 and 8e-12 at 2442 x 15
+    atol = _qr_tol(shape, EPS32 if dtype == np.float32 else EPS64)
+    q, a = q.astype(np.float64), a.astype(np.float64)  # the checks' own products in float64
     np.testing.assert_allclose(np.swapaxes(q, -1, -2) @ q, eye, atol=atol)
-    np.testing.assert_allclose(q @ (np.swapaxes(q, -1, -2) @ a), a, atol=20 * atol)
-    # the same signs as LAPACK's Householder QR (numpy's), column by column
-    np.testing.assert_allclose(q, np.linalg.qr(a)[0], atol=20 * atol)
+    # columns of a in Q's span: Q's backward error relative to each column's norm, twice
+    # (the check's own products, in the computation's dtype, round as much again at most)
+    col = np.linalg.norm(a, axis=-2, keepdims=True)
+    assert np.all(np.abs(q @ (np.swapaxes(q, -1, -2) @ a) - a) <= 2 * atol * col)
+    # the same signs as LAPACK's Householder QR (numpy's), column by column: two backward
+    # errors apart (a flipped sign is 2 max|q_j| >= 0.13 apart here); Q's sensitivity can
+    # add up to kappa(a) (8e3 at 70 x 100), but measured within 30 eps
+    np.testing.assert_allclose(q, np.linalg.qr(a)[0], atol=2 * atol)
 
 
 @pytest.mark.parametrize("kind", ["zero", "repeated", "rank one", "huge", "tiny"])
@@ -67,9 +102,14 @@ def test_qr_q_of_degenerate_matrices_is_orthonormal_and_finite(kind):
     }[kind].astype(np.float32)
     q = np.asarray(_linalg.qr_q(a), np.float64)
     assert np.isfinite(q).all()
-    np.testing.assert_allclose(q.T @ q, np.eye(40), atol=1e-5)
+    # raised from 1e-5 to the bound of _qr_tol, 4.5e-4 (measured 1.3e-6)
+    atol = _qr_tol(a.shape, EPS32)
+    np.testing.assert_allclose(q.T @ q, np.eye(40), atol=atol)
     scale = np.abs(a).max() if np.abs(a).max() > 0 else 1.0
-    np.testing.assert_allclose(q @ (q.T @ a) / scale, a / scale, atol=1e-4)
+    a = a.astype(np.float64) / scale
+    # as above, relative to each column's norm (the scaling, in float64, rounds 1e-16)
+    col = np.linalg.norm(a, axis=0, keepdims=True)
+    assert np.all(np.abs(q @ (q.T @ a) - a) <= 2 * atol * col)
 
 
 def test_bad_shape_is_a_value_error():
@@ -118,17 +158,14 @@ def _dominant(shape, seed=0):
 def test_inv_spd_dominant_matches_numpy_unbatched_batched_and_nested_vmap(n):
     a = _dominant((2, 3, n, n), seed=n)
     ref = np.linalg.inv(a.astype(np.float64))
-    tol = dict(rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(_linalg.inv_spd_dominant(a[0, 0]), ref[0, 0], **tol)
-    np.testing.assert_allclose(_linalg.inv_spd_dominant(a), ref, **tol)
+    _assert_inverse(_linalg.inv_spd_dominant(a[0, 0]), a[0, 0], ref[0, 0], EPS32)
+    _assert_inverse(_linalg.inv_spd_dominant(a), a, ref, EPS32)
     inv = jax.jit(jax.vmap(jax.vmap(_linalg.inv_spd_dominant)))
-    np.testing.assert_allclose(inv(a), ref, **tol)
+    _assert_inverse(inv(a), a, ref, EPS32)
     if jax.default_backend() == "cpu":
         # the CPU's elimination reads the whole matrix: a non-symmetric, row-dominant one too
         b = a[0, 0] + np.triu(np.full((n, n), 0.1 / n, np.float32), 1)
-        np.testing.assert_allclose(
-            _linalg.inv_spd_dominant(b), np.linalg.inv(b.astype(np.float64)), rtol=1e-4, atol=1e-6
-        )
+        _assert_inverse(_linalg.inv_spd_dominant(b), b, np.linalg.inv(b.astype(np.float64)), EPS32)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 30, 101])
@@ -138,13 +175,13 @@ def test_inv_spd_dominant_on_every_platform_path(n, dtype):
     here: this machine lowers only the CPU branch) against numpy in float64."""
     a = _dominant((3, n, n), seed=n).astype(dtype)
     ref = np.linalg.inv(a.astype(np.float64))
-    tol = dict(rtol=1e-4, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+    eps = EPS32 if dtype == np.float32 else EPS64
     with jax.enable_x64(dtype == np.float64):
-        np.testing.assert_allclose(_linalg.inv_spd_dominant(a), ref, **tol)
+        _assert_inverse(_linalg.inv_spd_dominant(a), a, ref, eps)
         cholesky = jax.jit(jax.vmap(_linalg._cholesky_inverse))(jnp.asarray(a))
         assert cholesky.dtype == dtype
-        np.testing.assert_allclose(cholesky, ref, **tol)
-        np.testing.assert_allclose(jax.vmap(_linalg.inv_spd_dominant)(a), ref, **tol)
+        _assert_inverse(cholesky, a, ref, eps)
+        _assert_inverse(jax.vmap(_linalg.inv_spd_dominant)(a), a, ref, eps)
 
 
 def test_inv_spd_dominant_lowers_to_cholesky_on_gpus_no_lapack_on_cpus_checks_its_shape():

@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from _tolerances import EPS64, reordered_sum
 
 from karula_jax import reporting
 from karula_jax.data import from_client_arrays
@@ -42,8 +43,12 @@ def test_cli_reads_every_simple_field_and_the_quick_config(tmp_path):
 def test_paired_columns_decide_only_beyond_two_standard_errors():
     ref = np.array([1.0, 2.0, 3.0, 4.0])
     row = paired_columns({}, "d", ref, ref - np.array([1.0, 1.1, 0.9, 1.0]))
-    assert row["d"] == pytest.approx(1.0) and row["d_decided"] == "yes"
-    assert row["d_2se"] == pytest.approx(2 * np.std([1.0, 1.1, 0.9, 1.0], ddof=1) / 2)
+    # float64: the differences round by EPS64 of ref's size (4), a mean of 4 and a standard
+    # error's 4 more steps
+    tol = reordered_sum(4 + 4, eps=EPS64) * 4.0
+    assert row["d"] == pytest.approx(1.0, abs=tol) and row["d_decided"] == "yes"
+    want = 2 * np.std([1.0, 1.1, 0.9, 1.0], ddof=1) / 2
+    assert row["d_2se"] == pytest.approx(want, abs=2 * tol)
     noisy = paired_columns({}, "d", ref, ref + np.array([1.0, -1.0, 1.0, -1.2]))
     assert noisy["d_decided"] == "no"
     assert paired_columns({}, "d", ref, ref)["d_decided"] == "-"
@@ -57,10 +62,15 @@ def test_comparison_rows_match_numpy_means_and_paired_differences():
     for r in rows:
         v = values[r["method"]]
         for k in ("err", "r2"):
-            assert r[k] == pytest.approx(v[k].mean())
-            assert r[k + "_2se"] == pytest.approx(2 * v[k].std(ddof=1) / np.sqrt(5))
+            # float64 sums of 5 values and a standard error's 4 steps, of their size
+            tol = reordered_sum(5 + 4, eps=EPS64) * np.abs(v[k]).max()
+            assert r[k] == pytest.approx(v[k].mean(), abs=tol)
+            assert r[k + "_2se"] == pytest.approx(2 * v[k].std(ddof=1) / np.sqrt(5), abs=2 * tol)
         d = values["B"]["err"] - v["err"]
-        assert r["b_minus"] == pytest.approx(d.mean(), abs=1e-12)
+        # as above, of the two methods' values (each difference rounds once)
+        size = np.abs(values["B"]["err"]).max() + np.abs(v["err"]).max()
+        tol = reordered_sum(5 + 2, eps=EPS64) * size
+        assert r["b_minus"] == pytest.approx(d.mean(), abs=tol)
     assert rows[1]["b_minus_decided"] == "-"
 
 

@@ -11,15 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerances import reordered_sum
 from _training_helpers import (
     DATA,
     PARAMS,
+    assert_within,
     eval_fn,
     fresh_trace_counters,  # noqa: F401 - the autouse fixture
     leaves_equal,
     make_data,
+    scale,
     stack,
     toy,
+    toy_loss_bound,
+    toy_rounding,
     traced_at_most,
 )
 
@@ -57,15 +62,18 @@ def test_vmapped_seeds_and_grid_equal_separate_runs():
                 eval_fn=eval_fn,
                 progress=False,
             )
+            # vmapped against alone: 5 rounds apart at most, 1.1e-5 of the models' scale
+            # (measured 1e-7); the losses move with the models (toy_loss_bound)
+            size = scale(one.state.params)
             for x, y in zip(
                 jax.tree.leaves(one.state.params), jax.tree.leaves(many.state.params), strict=True
             ):
-                np.testing.assert_allclose(y[s, g], x, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(y[s, g], x, rtol=0, atol=toy_rounding(5) * size)
             np.testing.assert_array_equal(one.info.participants, many.info.participants[:, s, g])
-            np.testing.assert_allclose(one.info.loss, many.info.loss[:, s, g], rtol=1e-5)
-            np.testing.assert_allclose(
-                one.metrics["loss"], many.metrics["loss"][:, s, g], rtol=1e-5, atol=1e-6
-            )
+            loss = one.info.loss
+            assert_within(many.info.loss[:, s, g], loss, toy_loss_bound(loss, 5, size))
+            loss = one.metrics["loss"]
+            assert_within(many.metrics["loss"][:, s, g], loss, toy_loss_bound(loss, 5, size))
     # Grid points of one seed share its draws (common random numbers).
     np.testing.assert_array_equal(many.info.participants[:, :, 0], many.info.participants[:, :, 1])
 
@@ -108,14 +116,16 @@ def test_run_many_members_with_own_kwargs_params_and_data_then_resume(tmp_path):
         p_s = jax.tree.map(lambda x, s=s: x[s], params)
         for g in range(2):
             state, info = alone(etas[s], ts[g], p_s, datas[s], keys[s])
+            size = scale(state.params)  # as above: 5 rounds apart at most
             for x, y in zip(
                 jax.tree.leaves(state.params), jax.tree.leaves(full.state.params), strict=True
             ):
-                np.testing.assert_allclose(y[s, g], x, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(y[s, g], x, rtol=0, atol=toy_rounding(5) * size)
             np.testing.assert_array_equal(info.participants, full.info.participants[:, s, g])
-            np.testing.assert_allclose(info.loss, full.info.loss[:, s, g], rtol=1e-5)
+            assert_within(full.info.loss[:, s, g], info.loss, toy_loss_bound(info.loss, 5, size))
             final = eval_fn(state.params, datas[s])["loss"]
-            np.testing.assert_allclose(full.metrics["loss"][-1, s, g], final, rtol=1e-5)
+            bound = toy_loss_bound(final, 5, size)
+            assert_within(full.metrics["loss"][-1, s, g], final, bound)
 
     # Checkpointed after 4 rounds, resumed to 5: bit-identical to the uninterrupted batch.
     make = lambda eta, t: toy(eta=eta, t=t)
@@ -290,7 +300,7 @@ def test_nonfinite_batch_member_is_named():
 def test_product_grid():
     g = training.product_grid(t=[0.0, 1.0], eta=[0.1, 0.2, 0.3])
     np.testing.assert_array_equal(g["t"], [0, 0, 0, 1, 1, 1])
-    np.testing.assert_allclose(g["eta"], [0.1, 0.2, 0.3] * 2)
+    np.testing.assert_array_equal(g["eta"], [0.1, 0.2, 0.3] * 2)  # the values, repeated
     with pytest.raises(ValueError, match="same length"):
         training.run_many(
             lambda t, eta: toy(t=t, eta=eta),
@@ -371,10 +381,16 @@ def test_real_karula_resume_and_t_grid(tmp_path):
         **kw,
     )
     one = training.run(alg, params, prob.train, key=keys[1], num_rounds=4, **kw)
+    # 10 times the rounds' rounding (reordered_sum(4 * 3 + 6 + 4, 4), 1e-5 of the models: 2
+    # clients' batches of 4, the mean over 6); each member's projection is solved in turn
+    # by the single run's solver program, on inputs equal up to that rounding, so it stops
+    # at the same iterations (measured: equal). Stopping one iteration apart could move a
+    # model by the solve's certified distance, sqrt(2 delta) = 1e-3 here, which would show.
     np.testing.assert_allclose(many.state.params[1, 0], one.state.params, rtol=1e-4, atol=1e-5)
-    # t = 0 ties every client to one model.
+    # t = 0 ties every client to one model: the projection is the mean, given to every
+    # client (measured: equal); at most an n-term mean's rounding if computed per client
     spread = np.ptp(np.asarray(many.state.params[:, 1]), axis=1)
-    assert spread.max() < 1e-5
+    assert spread.max() <= reordered_sum(6) * np.abs(np.asarray(many.state.params[:, 1])).max()
 
 
 def test_run_many_reports_rounds_unconverged_in_any_member():

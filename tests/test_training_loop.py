@@ -14,11 +14,15 @@ from _training_helpers import (
     ALG,
     DATA,
     PARAMS,
+    assert_within,
     eval_fn,
     fresh_trace_counters,  # noqa: F401 - the autouse fixture
     leaves_equal,
     make_data,
+    scale,
     toy,
+    toy_loss_bound,
+    toy_rounding,
     traced_at_most,
 )
 
@@ -31,16 +35,19 @@ def test_run_matches_one_scan_and_records_history():
     res = training.run(alg, PARAMS, DATA, key=key, num_rounds=7, chunk_size=3, progress=False)
     state0 = alg.init(PARAMS, DATA, key=key)
     ref_state, ref_info = jax.jit(lambda st: training.scan_rounds(alg, st, DATA, 7))(state0)
+    # chunks of 3 against one scan of 7: other compilations of the same rounds; raised from
+    # 1e-6 (measured: equal) to the bound of 7 rounds, 1.5e-5 of the models' scale
+    s = scale(ref_state.params)
     for x, y in zip(
         jax.tree.leaves(res.state.params), jax.tree.leaves(ref_state.params), strict=True
     ):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(x, y, rtol=0, atol=toy_rounding(7) * s)
     assert int(res.state.round) == 7
     assert res.info.loss.shape == (7,)
     assert res.info.participants.shape == (7, DATA.num_clients)
     np.testing.assert_array_equal(res.info.participants.sum(1), 2)
     np.testing.assert_array_equal(res.info.participants, np.asarray(ref_info.participants))
-    np.testing.assert_allclose(res.info.loss, ref_info.loss, rtol=1e-6)
+    assert_within(res.info.loss, ref_info.loss, toy_loss_bound(ref_info.loss, 7, s))
     assert res.info.finite.all()
     assert res.nonfinite_round is None
     assert res.timings["compile_s"] > 0 and res.timings["rounds_per_s"] > 0
@@ -74,9 +81,11 @@ def test_metric_history_shapes_and_values():
     assert res.metrics["mean_b"].shape == (4,)
     # The last evaluation is of the final state, the first of the initial one.
     final = eval_fn(alg.client_params(res.state, DATA), DATA)
-    np.testing.assert_allclose(res.metrics["loss"][-1], final["loss"], rtol=1e-6)
+    # the same models, evaluated inside the compiled run and eagerly: the loss's own sums
+    # in another compilation (the models are equal: no rounds apart)
+    assert_within(res.metrics["loss"][-1], final["loss"], toy_loss_bound(final["loss"], 0, 0))
     init = eval_fn(alg.client_params(alg.init(PARAMS, DATA, key=key), DATA), DATA)
-    np.testing.assert_allclose(res.metrics["loss"][0], init["loss"], rtol=1e-6)
+    assert_within(res.metrics["loss"][0], init["loss"], toy_loss_bound(init["loss"], 0, 0))
     # Training lowers the loss of this contracting quadratic.
     assert res.metrics["loss"][-1].mean() < res.metrics["loss"][0].mean()
 
@@ -185,7 +194,9 @@ def test_scan_rounds_vmaps_over_seeds_by_hand():
     states, infos = jax.jit(jax.vmap(one_seed))(keys)
     assert infos.loss.shape == (2, 3)
     single, _ = one_seed(keys[1])
-    np.testing.assert_allclose(states.params["a"][1], single.params["a"], rtol=1e-5)
+    # vmapped against one seed alone: 3 rounds apart at most
+    atol = toy_rounding(3) * scale(single.params["a"])
+    np.testing.assert_allclose(states.params["a"][1], single.params["a"], rtol=0, atol=atol)
 
 
 def test_eval_data_can_hold_train_and_test():
@@ -210,8 +221,10 @@ def test_eval_data_can_hold_train_and_test():
         progress=False,
     )
     final = ALG.client_params(res.state, DATA)
-    np.testing.assert_allclose(res.metrics["test"][-1], eval_fn(final, test)["loss"], rtol=1e-6)
-    np.testing.assert_allclose(res.metrics["train"][-1], eval_fn(final, DATA)["loss"], rtol=1e-6)
+    # the same models evaluated in the run and eagerly: the losses' own sums (as above)
+    for name, data in (("test", test), ("train", DATA)):
+        want = eval_fn(final, data)["loss"]
+        assert_within(res.metrics[name][-1], want, toy_loss_bound(want, 0, 0))
 
 
 def test_rounds_compile_with_llvm_level_2_on_cpu_unless_xla_flags_choose(monkeypatch):
@@ -231,4 +244,7 @@ def test_rounds_compile_with_llvm_level_2_on_cpu_unless_xla_flags_choose(monkeyp
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     assert _compile.loop_compiler_options(arrays) is None
     ref = training.run(ALG, PARAMS, DATA, key=key, num_rounds=4, chunk_size=2, progress=False)
-    chex.assert_trees_all_close(res.state.params, ref.state.params, rtol=1e-5, atol=1e-6)
+    # LLVM's level 2 against level 0: other code for 4 rounds (level 0 contracts no
+    # multiply-adds, level 2 may: one rounding fewer an operation, within the same bound)
+    atol = toy_rounding(4) * scale(ref.state.params)
+    chex.assert_trees_all_close(res.state.params, ref.state.params, rtol=0, atol=atol)
