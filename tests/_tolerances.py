@@ -19,6 +19,10 @@ a certified duality gap     ``certified_distance(gap)``: a 1-strongly convex obj
                             of the minimizer
 Monte Carlo estimates       a multiple of the standard error of the mean (the number of
                             standard errors named beside it)
+a contracting iteration     ``iteration_floor(kappa, terms, step)``: each step's rounding
+(gradient descent to a      over the step's contraction, at every step (a geometric
+fixed point), run in        series); ``kappa`` carries the gradient's rounding into the
+float32                     parameters
 ==========================  ==========================================================
 """
 
@@ -28,7 +32,7 @@ import math
 
 import numpy as np
 
-__all__ = ["EPS32", "EPS64", "certified_distance", "reordered_sum"]
+__all__ = ["EPS32", "EPS64", "certified_distance", "iteration_floor", "reordered_sum"]
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23: twice float32's unit roundoff
 EPS64 = float(np.finfo(np.float64).eps)  # 2**-52
@@ -45,3 +49,15 @@ def certified_distance(gap: float) -> float:
     """Distance bound to the minimizer of a 1-strongly convex objective (the projection's
     ``0.5 ||theta - v||^2``) from a certified gap ``gap`` to its minimum: ``sqrt(2 gap)``."""
     return math.sqrt(2.0 * max(float(gap), 0.0))
+
+
+def iteration_floor(kappa: float, terms: int, step: float = 1.0, eps: float = EPS32) -> float:
+    """Relative error (of the parameters' scale) that rounding leaves in a contracting
+    gradient iteration, at any step, against the exact iteration or its fixed point.
+
+    A step ``step / L`` on an objective with curvature in ``[mu, L]`` (``kappa = L / mu``)
+    contracts the error by the factor ``1 - step / kappa`` and adds the gradient's rounding,
+    ``reordered_sum(terms)`` of the gradient's scale (``L`` times the parameters'), times
+    the step, and the update's own, ``eps / 2`` of the parameters. Summed as a geometric
+    series: ``kappa * (reordered_sum(terms) + eps / (2 step))``."""
+    return float(kappa) * (reordered_sum(terms, eps=eps) + eps / (2.0 * float(step)))
