@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tolerances import reordered_sum
 
 from karula_jax import algorithms as A
 from karula_jax.benchmarking import compiled_round
@@ -50,7 +51,11 @@ def test_bare_round_runs_without_the_projection_even_after_the_full_round():
             [np.reshape(x, (n, -1)) for x in jax.tree.leaves(s.params["params"]["output"])], 1
         )
         dist = np.linalg.norm(out[:, None] - out[None], axis=-1)
-        assert bool(np.all(dist <= radius * (1 + 1e-3) + 1e-6)) is holds
+        # feasible up to the float32 output's rounding: restore's distances, the rotation
+        # back and v + move round a row by (p + 2) eps / 2 of its norm, at both ends
+        p = out.shape[1]
+        slack = reordered_sum(2 * p + 4) * np.linalg.norm(out, axis=1).max()
+        assert bool(np.all(dist <= radius + slack)) is holds
 
 
 def test_bench_study_times_a_binding_round_and_reports_the_solver():
@@ -153,5 +158,6 @@ def test_bench_kernels_counts_loop_bodies_at_their_trips(monkeypatch):
     expected = sum(ops(name) * r for name, r in runs.items())
     by_site, missing = collections.Counter(), set()
     total = bk._launches(comps, entry, (), 1.0, trips, by_site, missing)
-    assert not missing and total == pytest.approx(expected)
-    assert sum(by_site.values()) == pytest.approx(total)
+    # operation counts times integer trip counts: integers, exact in float64
+    assert not missing and total == expected
+    assert sum(by_site.values()) == total

@@ -8,9 +8,11 @@ import json
 import jax
 import numpy as np
 import pytest
+from _tolerances import EPS64, reordered_sum
 
 from karula_jax import protocol
 from karula_jax.data import from_client_arrays
+from karula_jax.embedding import DEFAULT_THRESHOLD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,12 @@ def test_draw_study_lays_out_members_and_their_dissimilarities(toy):
     member = jax.tree.map(lambda a: a[b], data.cv.train)
     key = jax.random.fold_in(jax.random.key(2_000_003), b)
     D, _ = protocol.member_dissimilarities(jax.tree.map(lambda a: a[None], member), key, **embed)
-    np.testing.assert_allclose(np.asarray(D[0]), np.asarray(data.D[b]), rtol=1e-5, atol=1e-6)
+    # each Sinkhorn solve stops once its marginal L1 error is below the threshold, and
+    # another program's order stops at another iterate: D differs by up to that threshold
+    # of its scale
+    want = np.asarray(data.D[b])
+    atol = DEFAULT_THRESHOLD * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(D[0]), want, rtol=0, atol=atol)
     # no folds: the members are the seeds' final fits, test rows unpadded
     final = protocol.cv_datasets(train, test, 0)
     assert final.num_folds == 0 and final.train.x.shape[:2] == (2, n)
@@ -141,7 +148,9 @@ def test_fix_choices_rows_and_writer(tmp_path):
     values = {"FedAvg": {"acc": [0.5, 0.7]}, "Karula": {"acc": [0.6, 0.9]}}
     rows = protocol.study_rows(values, outcomes, paired="acc", untuned="-")
     assert [r["cv_choice"] for r in rows] == ["-", "t=1 x1, t=4 x1"]
-    assert rows[0]["karula_minus"] == pytest.approx(0.15) and rows[0]["runtime_s"] == 1.5
+    # a float64 mean of two differences of values in [0, 1]: a few roundings
+    assert rows[0]["karula_minus"] == pytest.approx(0.15, rel=reordered_sum(4, eps=EPS64))
+    assert rows[0]["runtime_s"] == 1.5
     drawn = []
     text = protocol.write_study(
         tmp_path / "out",
