@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _tolerances import reordered_sum
+from _tolerances import accumulated_rounding, reordered_sum
 
 from karula_jax.algorithms._sampling import client_keys
 from karula_jax.data import client_weights, synthetic_ridge
@@ -93,7 +93,7 @@ def fixed_point_error(rho: float, rounds: int, start: float, per_round: float) -
     ``rounds`` rounds from a start ``start`` away, each round rounding by ``per_round``: the
     start's error contracted, ``rho^rounds start``, plus the rounding's, at most
     ``per_round / (1 - rho)``."""
-    return rho**rounds * start + per_round / (1 - rho)
+    return rho**rounds * start + accumulated_rounding(per_round, 1 - rho)
 
 
 def power_shortfall(A, key, iterations: int = 20) -> np.ndarray:

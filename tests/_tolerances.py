@@ -32,7 +32,14 @@ import math
 
 import numpy as np
 
-__all__ = ["EPS32", "EPS64", "certified_distance", "iteration_floor", "reordered_sum"]
+__all__ = [
+    "EPS32",
+    "EPS64",
+    "accumulated_rounding",
+    "certified_distance",
+    "iteration_floor",
+    "reordered_sum",
+]
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23: twice float32's unit roundoff
 EPS64 = float(np.finfo(np.float64).eps)  # 2**-52
@@ -60,4 +67,12 @@ def iteration_floor(kappa: float, terms: int, step: float = 1.0, eps: float = EP
     ``reordered_sum(terms)`` of the gradient's scale (``L`` times the parameters'), times
     the step, and the update's own, ``eps / 2`` of the parameters. Summed as a geometric
     series: ``kappa * (reordered_sum(terms) + eps / (2 step))``."""
-    return float(kappa) * (reordered_sum(terms, eps=eps) + eps / (2.0 * float(step)))
+    step = float(step)
+    per_step = step * reordered_sum(terms, eps=eps) + eps / 2.0
+    return accumulated_rounding(per_step, step / float(kappa))
+
+
+def accumulated_rounding(per_step: float, gap: float) -> float:
+    """What rounding ``per_step`` a step leaves in an iteration that contracts its error by
+    ``1 - gap`` a step adds up to at most, the geometric series ``per_step / gap``."""
+    return float(per_step) / float(gap)
