@@ -196,7 +196,10 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
     cfg = types.SimpleNamespace(**fields)
     rates = dict(karula=cfg.rate_karula, fedavg=cfg.rate_fedavg, ifca=cfg.rate_ifca)
     rates = protocol.smoothness_rates(
-        **rates, personal=cfg.rate_pfedme, num_clients=cfg.num_clients
+        **rates,
+        personal=cfg.rate_pfedme,
+        num_clients=cfg.num_clients,
+        clients_per_round=cfg.clients_per_round,  # the penalty's own rule
     )
     grids = {"IFCA": cfg.k_grid, "pFedMe": cfg.pfedme_grid, "Karula": cfg.t_grid}
     grids |= {"Karula (theorem step)": cfg.theorem_t_grid}

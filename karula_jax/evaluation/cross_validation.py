@@ -23,8 +23,10 @@ __all__ = [
     "CVSelection",
     "PLATEAU_RTOL",
     "check_fold_ids",
+    "diverged",
     "fold_ids",
     "grid_edge",
+    "grid_next_to_diverged",
     "grid_plateau",
     "kfold_split",
     "select_by_cv",
@@ -232,6 +234,85 @@ def grid_edge(index, grid_size: int, *, natural=()) -> np.ndarray:
     natural = {int(i) % grid_size for i in natural}
     edges = {0, grid_size - 1} - natural
     return np.isin(index, sorted(edges))
+
+
+# A run whose training loss ends this many times above where it started has diverged
+# (:func:`diverged`): an unstable step grows the loss geometrically (the synthetic study's
+# penalty at a step beyond its stable range reached 1e31 in 600 rounds while staying
+# finite), noise on a stable run does not multiply it tenfold.
+DIVERGENCE_GROWTH = 10.0
+
+
+def diverged(loss, *, growth: float = DIVERGENCE_GROWTH) -> np.ndarray:
+    """Whether runs diverged: a non-finite loss, or a last tenth of the rounds whose mean
+    training loss is more than ``growth`` times the first tenth's.
+
+    The runs of a step beyond a method's stable range can stay finite for hundreds of
+    rounds while their loss grows by orders of magnitude; their CV score is then finite
+    but meaningless. Cross-validation treats such a point as diverged, like a non-finite
+    one (:func:`grid_next_to_diverged` then says when the choice neighbours it).
+
+    Args:
+      loss: per-round training losses ``[R, ...]`` (rounds first, as
+        :class:`~karula_jax.algorithms.RoundInfo` stacks them; ``R >= 1``).
+      growth: the factor, ``> 1``.
+
+    Returns:
+      bool ``[...]``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.evaluation import diverged
+      >>> k = np.arange(100.0)[:, None]
+      >>> diverged(np.hstack([np.exp(-k / 20), 1.1**k, 1 + 0.05 * np.sin(k)])).tolist()
+      [False, True, False]
+    """
+    loss = np.asarray(loss, np.float64)
+    if loss.ndim < 1 or loss.shape[0] < 1:
+        raise ValueError(f"loss: expected [R, ...] with R >= 1 rounds, got shape {loss.shape}")
+    if not float(growth) > 1.0:
+        raise ValueError(f"growth: expected a factor > 1, got {growth}")
+    w = max(1, loss.shape[0] // 10)
+    with np.errstate(invalid="ignore", over="ignore"):
+        first, last = loss[:w].mean(0), loss[-w:].mean(0)
+        grew = last > float(growth) * np.maximum(first, np.finfo(np.float64).tiny)
+    return ~np.all(np.isfinite(loss), axis=0) | grew
+
+
+def grid_next_to_diverged(index, score) -> np.ndarray:
+    """Whether a CV choice on an ordered grid neighbours a grid point that diverged.
+
+    A point whose runs diverged has a non-finite CV score (:func:`select_by_cv` gives it
+    the worst). A choice next to one sits on the edge of the method's stable region,
+    not inside its grid: the best point may lie between the two, and the method is
+    likely run at a step that its neighbour's hyperparameter cannot sustain (lower the
+    step, or give the method a step rule that is stable over its whole grid). Unlike
+    :func:`grid_edge` this looks at the scores, so it also catches an interior index.
+
+    Args:
+      index: chosen grid indices ``[S]``.
+      score: CV scores ``[S, G]`` of the ``G`` ordered grid points (``inf`` or NaN
+        where a point diverged).
+
+    Returns:
+      bool ``[S]``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from karula_jax.evaluation import grid_next_to_diverged
+      >>> score = np.array([[np.inf, 7.0, 8.0], [9.0, 7.0, np.nan], [9.0, 7.0, 8.0]])
+      >>> grid_next_to_diverged([1, 0, 1], score).tolist()  # the 3rd row has no diverged point
+      [True, False, False]
+    """
+    index, score = np.asarray(index), np.asarray(score, np.float64)
+    if score.ndim != 2 or index.shape != score.shape[:1]:
+        raise ValueError(f"score: expected [S, G] with S = {index.shape}, got {score.shape}")
+    G = score.shape[1]
+    rows = np.arange(index.shape[0])
+    bad = ~np.isfinite(score)
+    below = (index > 0) & bad[rows, np.maximum(index - 1, 0)]
+    above = (index < G - 1) & bad[rows, np.minimum(index + 1, G - 1)]
+    return below | above
 
 
 # Relative change of the CV score between a grid's end and its neighbour below which a

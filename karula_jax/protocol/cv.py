@@ -51,10 +51,14 @@ class CVOutcome(NamedTuple):
       chosen: chosen grid index per seed, ``[S]`` (0 without a grid).
       labels: the grid points' labels, ``[G]`` (``[""]`` without a grid).
       cv_score: cross-validated score ``[S, G]`` (None without a grid).
-      finite: whether the chosen final fit stayed finite, ``[S]``.
+      finite: whether the chosen final fit stayed finite and did not diverge
+        (:func:`karula_jax.evaluation.diverged`: its training loss did not grow tenfold),
+        ``[S]``; a grid point that diverged on a fold is never chosen.
       edge: whether the choice is an edge of the grid that is not a natural limit
-        (:func:`karula_jax.evaluation.grid_edge`) nor a plateau, ``[S]`` bool: the grid
-        is too narrow.
+        (:func:`karula_jax.evaluation.grid_edge`) nor a plateau, or neighbours a diverged
+        point of a one-axis grid (:func:`karula_jax.evaluation.grid_next_to_diverged`: the
+        edge of the method's stable region), ``[S]`` bool: the grid is too narrow or the
+        step too large there.
       seconds: wall clock of the method's runs, compilation included.
       diagnostics: the projection's report (:func:`karula_jax.training.describe_diagnostics`)
         when a run had an inexact projection, else "".
@@ -202,7 +206,9 @@ def cross_validate(
             )
         unconverged.append(_report(res.diagnostics, point, reports, always=method.projects))
         m = {k: np.asarray(v[-1], np.float64) for k, v in res.metrics.items()}
-        m["finite"] = np.asarray(res.info.finite).all(axis=0)
+        # a run is usable when it stayed finite and its training loss did not grow
+        # tenfold (a step beyond the stable range can stay finite while it diverges)
+        m["finite"] = np.asarray(res.info.finite).all(axis=0) & ~ev.diverged(res.info.loss)
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
         if final_fits:
             curves.append({k: _final_curves(v, final, method.grid) for k, v in res.metrics.items()})
@@ -231,6 +237,13 @@ def cross_validate(
         params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
         plateau=plateau,
     )
+
+
+def _next_to_diverged(method: Method, out: CVOutcome) -> np.ndarray:
+    """``[S]``: the choice neighbours a diverged point of a one-axis grid."""
+    if out.cv_score is None or method.edges is not None:
+        return np.zeros(np.shape(out.chosen), bool)
+    return ev.grid_next_to_diverged(out.chosen, out.cv_score)
 
 
 def _report(diagnostics: dict, point: str, reports: list[str], *, always=False) -> bool:
@@ -297,7 +310,9 @@ def _choose(method: Method, val, score, fold_weights, maximize: bool, S: int):
     edge = method.edge(sel.index)
     one_axis = method.edges is None
     plateau = edge & ev.grid_plateau(sel.index, sel.score) if one_axis else none
-    return sel.index, sel.score, edge & ~plateau, plateau
+    # next to a diverged point: the edge of the method's stable region, wherever it is
+    unstable = ev.grid_next_to_diverged(sel.index, sel.score) if one_axis else none
+    return sel.index, sel.score, (edge & ~plateau) | unstable, plateau
 
 
 def _warn_capped(desc: str | None, reports: list[str]) -> None:
@@ -403,9 +418,16 @@ def compare(
             log(f"    {out.diagnostics}")
         chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""
         log(f"{name:7s} {out.seconds:6.1f} s  {describe(out)}{chosen}")
-        if out.edge.any():
+        unstable = _next_to_diverged(methods[name], out)
+        if unstable.any():
             log(
-                f"    {name}: CV chose an edge of its grid in {int(out.edge.sum())} of "
-                f"{out.edge.size} seeds (not a natural limit): widen the grid"
+                f"    {name}: CV chose a point next to a diverged one in {int(unstable.sum())} "
+                f"of {unstable.size} seeds (the edge of its stable region): lower its step "
+                "or give it a step rule that is stable over its whole grid"
+            )
+        if (out.edge & ~unstable).any():
+            log(
+                f"    {name}: CV chose an edge of its grid in {int((out.edge & ~unstable).sum())}"
+                f" of {out.edge.size} seeds (not a natural limit): widen the grid"
             )
     return outcomes

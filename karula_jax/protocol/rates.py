@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax import algorithms as A
-from karula_jax._checks import check_nonnegative
+from karula_jax._checks import check_nonnegative, check_positive_int
 from karula_jax._smoothness import linear_smoothness
 from karula_jax.algorithms.base import LossFn
+from karula_jax.algorithms.step_size import stability_factor
 from karula_jax.data.clients import ClientData, client_weights
 
 __all__ = [
@@ -33,12 +34,26 @@ __all__ = [
 
 
 def smoothness_rates(
-    *, karula: float, fedavg: float, ifca: float, personal: float, num_clients: int
+    *,
+    karula: float,
+    fedavg: float,
+    ifca: float,
+    personal: float,
+    num_clients: int,
+    clients_per_round: int | None = None,
 ) -> dict[str, Callable[..., Any]]:
     """Rate rules ``rate / L`` from the member arguments ``L_f`` and ``L_max``
     (:func:`smoothness_constants`).
 
-    ``local``, ``karula`` and ``penalty`` (the Laplacian penalty's step): ``karula / L_f``;
+    ``local`` and ``karula``: ``karula / L_f``; ``penalty`` (the Laplacian penalty's
+    step), with ``clients_per_round = s``: ``p c(p) / (2 L_f)``, ``p = s / n`` and ``c``
+    :func:`karula_jax.algorithms.step_size.stability_factor` -- half the mean-square stability limit
+    of uncoupled clients under SAGA memory (Karula's default at ``t = inf``), so stable
+    for every ``mu`` of a grid: at ``mu -> 0`` the clients decouple, and the proximal
+    step only damps the directions it couples. Karula's own ``karula / L_f`` is stable only
+    where constraints bind (on the synthetic study's ``3 / (8 L_f)`` with ``s / n = 1/3``,
+    the penalty diverged at ``mu <= 0.01 L_f``). Without ``clients_per_round`` the
+    penalty takes ``karula / L_f`` (kept for callers that tuned against it);
     ``fedsgd``: ``karula / (n L_f)``; ``fedavg`` (the FedAvg family): ``fedavg / L_max``;
     ``fedprox``: ``fedavg / (L_max + mu)``, FedAvg's rule on the local objective
     ``f_i + mu/2 ||w - w0||^2``, whose smoothness is ``L_i + mu`` (a step that ignores
@@ -51,10 +66,21 @@ def smoothness_rates(
     Args:
       karula, fedavg, ifca, personal: the dimensionless factors above.
       num_clients: ``n``.
+      clients_per_round: ``s``, ``1 <= s <= n``, for the penalty's own rule, or None.
 
     Returns:
       ``{rule name: rule(**member_kwargs, **grid_point)}``.
     """
+    if clients_per_round is None:
+        penalty = karula
+    else:
+        s = check_positive_int("clients_per_round", clients_per_round)
+        if s > num_clients:
+            raise ValueError(
+                f"clients_per_round must be at most num_clients={num_clients}, got {s}"
+            )
+        p = s / num_clients
+        penalty = p * float(stability_factor(p)) / 2.0
     return {
         "local": lambda L_f, **_: karula / L_f,
         "fedsgd": lambda L_f, **_: karula / (num_clients * L_f),
@@ -64,7 +90,7 @@ def smoothness_rates(
         "pfedme": lambda L_max, lam, **_: personal / (lam * L_max / (lam + L_max)),
         "pfedme_personal": lambda L_max, lam, **_: 1 / (L_max + lam),
         "karula": lambda L_f, **_: karula / L_f,
-        "penalty": lambda L_f, **_: karula / L_f,
+        "penalty": lambda L_f, **_: penalty / L_f,
         "ditto_personal": lambda L_max, **_: personal / L_max,
         "penalty_mu": lambda L_f, mu, **_: mu * L_f,
     }
