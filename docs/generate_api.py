@@ -41,6 +41,7 @@ ORDER = (
     "protocol",
     "stats",
     "reporting",
+    "provenance",
     "theory",
     "benchmarking",
 )

@@ -3,7 +3,8 @@
 Data flows one way: ``data`` -> ``embedding`` (dissimilarities D) -> ``projection`` /
 ``algorithms`` -> ``training`` (compiled runs) -> ``evaluation`` (CV, metrics) ->
 ``protocol`` (methods x grids x folds x seeds, selected by CV) -> ``stats`` (mean +- 2 SE)
--> ``reporting`` (tables, JSON, figures); ``theory`` holds the quantities of the paper's
+-> ``reporting`` (tables, JSON, figures), ``provenance`` (a run's date, commit and machine,
+stamped on its results page); ``theory`` holds the quantities of the paper's
 convergence theory, ``benchmarking`` what the benchmarks share. Every public submodule is
 reachable as an attribute after ``import karula_jax``.
 """
@@ -17,6 +18,7 @@ from karula_jax import (
     models,
     projection,
     protocol,
+    provenance,
     reporting,
     stats,
     theory,
@@ -32,6 +34,7 @@ __all__ = [
     "models",
     "projection",
     "protocol",
+    "provenance",
     "reporting",
     "stats",
     "theory",

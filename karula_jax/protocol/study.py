@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from karula_jax import evaluation as ev
-from karula_jax import reporting
+from karula_jax import provenance, reporting
 from karula_jax.data.clients import ClientData
 from karula_jax.models import linear_params, logistic_loss
 from karula_jax.protocol.cv import CVOutcome, compare
@@ -489,7 +489,10 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     every embedding converged, the projection's report of every method that projects
     (worst certified gap, unconverged rounds; also a note under the table), the rows, the
     wall clock and CPU time (``total_seconds``, ``cpu_seconds``; also the last note, with
-    ``study.command``), the devices, the jax version and ``study.summary``.
+    ``study.command``), the devices, the jax version, the run's provenance
+    (:func:`karula_jax.provenance.run_provenance`) and ``study.summary``. When ``out``
+    holds a results page (``README.md``), its run header is rewritten
+    (:func:`karula_jax.provenance.stamp_page`).
 
     Returns:
       The :class:`StudyResult`.
@@ -537,6 +540,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         "cpu_seconds": cpu,
         "devices": [str(d) for d in jax.devices()],
         "jax_version": jax.__version__,
+        "provenance": provenance.run_provenance(),
     } | dict(study.summary(result) if study.summary else {})
     write_study(
         out,
@@ -551,6 +555,9 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         json=study.json,
         log=log,
     )
+    header = provenance.provenance_header(summary["provenance"], seconds=result.seconds)
+    if provenance.stamp_page(pathlib.Path(out) / "README.md", header):
+        log(f"updated the run header of {pathlib.Path(out) / 'README.md'}")
     log(f"wrote {out} in {result.seconds:.0f}s")
     return result._replace(rows=rows, summary=summary)
 
