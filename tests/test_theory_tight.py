@@ -300,9 +300,8 @@ def test_gradient_mapping_decays_on_a_nonconvex_mlp():
     avg = np.cumsum(sq.mean(0)) / K
     dec = fvals[:, 0].mean() - fvals[:, 1:].mean(0)
     ratio = avg / np.asarray(theory.theorem_4_3_proof_bound(L, dec, K))
-    # within 10x and under the bound at every K (float64; the seed mean is that of the
-    # average form's expectation; its spread across 4 draws is what separates 0.126 from
-    # 0.1 and from 1)
+    # within 10x and under the bound at every K (float64; effect sizes: 0.126-0.128, with
+    # margins of 25% to 0.1 and 8x to 1 for the error of the 4-draw seed mean)
     assert np.all(ratio <= 1.0) and np.all(ratio > 0.1), ratio
     # the mapping decays: the average falls (by 5x here) and the min-form bound with
     # f* >= 0 (cross-entropy) holds
