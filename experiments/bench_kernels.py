@@ -63,6 +63,7 @@ class KernelConfig:
       rate_karula, rate_fedavg, local_steps: Karula's step ``rate_karula / L_f`` (the
         synthetic study's rule), FedAvg's learning rate and E.
       projection_tol: Karula's tolerance (the experiments').
+      projection_method: Karula's projection solver (``auto``: the library's choice).
     """
 
     sizes: tuple[int, ...] = (30, 300)
@@ -78,6 +79,7 @@ class KernelConfig:
     rate_fedavg: float = 0.05
     local_steps: int = 5
     projection_tol: float = 1e-4
+    projection_method: str = "auto"
 
 
 QUICK = KernelConfig(sizes=(10,), early=2, late=6, rounds=2)
@@ -477,6 +479,11 @@ def count_size(cfg: KernelConfig, n: int) -> dict:
             clients_per_round=s,
             batch_size=batch,
             projection_tol=cfg.projection_tol,
+            **(
+                {}
+                if cfg.projection_method == "auto"
+                else {"projection_method": cfg.projection_method}
+            ),
         )
 
     def fedavg():

@@ -49,7 +49,8 @@ class ScaleConfig:
       karula_default_step: Karula at its derived default step instead of ``karula_lr``
         (with ``t_values=(0.001,)`` and ``warmup=5`` the constraints bind from n = 30 to
         300: the mode of issue 24, ``results/bench/scale_binding.md``).
-      projection_method: Karula's ``projection_method``.
+      projection_method: Karula's ``projection_method``; several, comma-separated (e.g.
+        ``laplacian,fista``), run as separate Karula rows in the same process, taking turns.
       (data: ``karula_jax.data.random_classification``, D uniform in [0.5, 1.5].)
     """
 
@@ -82,6 +83,11 @@ def minimum_bytes(params, pers, n: int, karula: bool) -> int:
     return n * total + n * own + (total - own) + 4 * n * n
 
 
+def methods_of(cfg: ScaleConfig) -> list[str]:
+    """The projection methods of ``cfg.projection_method`` (comma-separated)."""
+    return [m.strip() for m in cfg.projection_method.split(",") if m.strip()]
+
+
 def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
     data, params, loss, D = mlp_problem(n)  # FEMNIST's shapes, D uniform in [0.5, 1.5]
     pers = output_layer_mask(params)
@@ -100,9 +106,12 @@ def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
             personalized=pers,
             **kw,
         )
-        algs[f"Karula t={t:g}"] = make(projection_method=cfg.projection_method)
-        # The same round with the projection skipped: its share of the round's time.
-        bare[f"Karula t={t:g}"] = make(projection_method="none")
+        methods = methods_of(cfg)
+        for method in methods:
+            name = f"Karula t={t:g}" + (f" {method}" if len(methods) > 1 else "")
+            algs[name] = make(projection_method=method)
+            # The same round with the projection skipped: its share of the round's time.
+            bare[name] = make(projection_method="none")
     states, fns, compile_s = {}, {}, {}
     for name, alg in algs.items():
         states[name] = jax.block_until_ready(alg.init(params, data, key=jax.random.PRNGKey(0)))
@@ -170,7 +179,9 @@ def main(argv=None) -> None:
     rows = []
     for n in progress_bar(cfg.sizes, desc="n"):
         rows += bench_n(cfg, n)
-        print(markdown_table(HEAD, rows[-len(cfg.t_values) - 1 :]), flush=True)
+        print(
+            markdown_table(HEAD, rows[-len(cfg.t_values) * len(methods_of(cfg)) - 1 :]), flush=True
+        )
     publish(to_markdown(cfg, argv, rows), args.out, quick=args.quick)
 
 

@@ -356,6 +356,14 @@ def _options(cfg: Config, model, data: protocol.StudyData) -> dict:
     )
 
 
+# What ± and "decided" mean in a comparison table (its notes).
+BAND_NOTE = (
+    "± is the 95% Student-t interval over seeds; 'Karula minus method' is the paired "
+    "difference of the seeds' mean accuracies, decided when its paired t-test's p-value, "
+    "Holm-adjusted over the table's comparisons with Karula, is below 0.05."
+)
+
+
 def _initial_models(model, data: protocol.StudyData):
     """Seed ``s``'s initial model from ``key(s)``: ``[S]`` of them, or a single tuning
     draw's one (its folds start from it)."""
@@ -407,8 +415,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         return [
             f"{S} seeds; seed s draws {cfg.num_clients} of the LEAF writers with >= "
             f"{cfg.min_samples} training digits, the initial model, participation and "
-            f"minibatches. ± is 2 standard errors over seeds; 'Karula minus method' is the "
-            f"paired difference of the seeds' mean accuracies, decided when it exceeds its 2 SE.",
+            f"minibatches. {BAND_NOTE}",
             f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
             f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, "
             f"{'inverted' if cfg.invert else 'LEAF'} pixels, {_rates_text(cfg)} (library "
@@ -471,14 +478,16 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
             f"clients{sfx}.png": trio,
         }
 
-    columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
-    columns += [("pooled_acc", "pooled test acc. (%)")]
-    columns += [("karula_minus", "Karula minus method (paired)")]
-    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
+    b = reporting.banded
+    columns = [("method", "method"), ("test_acc", b("mean per-writer test acc. (%)"))]
+    columns += [("pooled_acc", b("pooled test acc. (%)"))]
+    columns += [("karula_minus", b("Karula minus method (paired)"))]
+    columns += reporting.verdict_columns("karula_minus")
+    columns += [("train_loss", b("final training loss"))]
     rounds = np.arange(1, cfg.rounds // cfg.eval_every + 1) * cfg.eval_every  # recorded
     late = f"rounds {int(rounds[ev.tail_start(rounds)])}-{cfg.rounds}" if len(rounds) > 1 else ""
-    columns += [("loss_drop", f"training loss drop, {late or 'last fifth'}")]
-    columns += [("flattened", "flattened (share of seeds)")]
+    columns += [("loss_drop", b(f"training loss drop, {late or 'last fifth'}"))]
+    columns += [("flattened", b("flattened (share of seeds)"))]
     columns += [("cv_choice", "CV choice (tuning draw)"), ("runtime_s", "runtime (s)")]
     return protocol.Study(
         title=f"Federated MNIST (LEAF FEMNIST digits){' - ' + tag if tag else ''}",
@@ -545,19 +554,20 @@ def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
         choice = chosen[row["method"]]
         row["cv_choice"] = choice if isinstance(choice, str) else reporting.choice_counts(choice)
         row["run"] = source[row["method"]]
-    columns = [("method", "method"), ("test_acc", "mean per-writer test acc. (%)")]
-    columns += [("karula_minus", "Karula minus method (paired)")]
-    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("train_loss", "final training loss")]
+    b = reporting.banded
+    columns = [("method", "method"), ("test_acc", b("mean per-writer test acc. (%)"))]
+    columns += [("karula_minus", b("Karula minus method (paired)"))]
+    columns += reporting.verdict_columns("karula_minus")
+    columns += [("train_loss", b("final training loss"))]
     columns += [
-        ("flattened", "flattened (share of seeds)"),
+        ("flattened", b("flattened (share of seeds)")),
         ("cv_choice", "CV choice (tuning draw)"),
     ]
     columns += [("run", "run (table_<run>.md)")]
     notes = [
         f"Merged from the runs {', '.join(tags)} (same writer draws and protocol; Karula's "
-        "per-seed accuracies agree across them): their notes give the settings. ± is 2 SE "
-        "over seeds; 'Karula minus method' is paired over the seeds, decided when it "
-        f"exceeds its 2 SE. Command: `python -m experiments.femnist --merge {','.join(tags)} "
+        f"per-seed accuracies agree across them): their notes give the settings. {BAND_NOTE}"
+        f" Command: `python -m experiments.femnist --merge {','.join(tags)} "
         f"--tag {tag} --out {out}`."
     ]
     title = f"Federated MNIST (LEAF FEMNIST digits) - {tag}"
@@ -609,7 +619,9 @@ def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
             f"({cfg.local_steps} local steps, its own rate) with the output layer personalized.",
             "Active: pairs i < j with ||theta_i - theta_j||^2 >= (1 - 1e-3) t D_ij over the "
             "output layers at the end (t = 0: every pair; t = inf and FedPer: none), mean over "
-            f"draws. ± is 2 SE over draws; paired differences against {reference}.",
+            f"draws. ± is the 95% Student-t interval over draws; paired differences against "
+            f"{reference}, decided when the paired t-test's p-value, Holm-adjusted over the "
+            "table's comparisons, is below 0.05.",
         ]
 
     def plot(result, path):
@@ -643,7 +655,8 @@ def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
     key = reference.lower() + "_minus"
     columns = [c for c in comparison.columns if c[0] not in ("cv_choice", "runtime_s")]
     columns = [(k.replace("karula_minus", key), h.replace("Karula", reference)) for k, h in columns]
-    columns += [("active", "active pairs at the end (%)"), ("runtime_s", "runtime (s)")]
+    columns += [("active", reporting.banded("active pairs at the end (%)"))]
+    columns += [("runtime_s", "runtime (s)")]
     return comparison._replace(
         title=f"FEMNIST: Karula over t at one step{' - ' + tag if tag else ''}",
         methods=lambda _: methods,

@@ -24,7 +24,7 @@ from karula_jax import evaluation as ev
 from karula_jax import protocol, reporting, training
 from karula_jax.data import ClientData, synthetic_ridge
 from karula_jax.models import ridge_loss
-from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
+from karula_jax.stats import format_mean_se, paired_test, t_interval
 
 __all__ = ["SyntheticConfig", "main", "run_experiment", "run_sensitivity", "study"]
 
@@ -272,7 +272,45 @@ def _exact_references(cfg: SyntheticConfig, data: protocol.StudyData) -> dict[st
 
 
 def _pm(values, digits: int = 3) -> str:
-    return format_mean_se(*mean_and_se(values), digits=digits)
+    """``mean ± 95% t half-width`` of per-seed values."""
+    return format_mean_se(*t_interval(np.asarray(values, float)), digits=digits)
+
+
+def table_notes(cfg: SyntheticConfig, grids: str, summary) -> list[str]:
+    """The notes of the study's table: ``grids`` (the CV grids, as
+    :func:`~karula_jax.protocol.describe_grids` writes them) and the per-seed values of
+    ``summary`` (``spearman_D``, ``spearman_local``, ``spearman_population_D``,
+    ``exact_local_error``, ``exact_global_error``, as the JSON summary holds them)."""
+    rho = {k: summary[k] for k in ("spearman_D", "spearman_local")}
+    diff = paired_test(np.asarray(rho["spearman_D"]), np.asarray(rho["spearman_local"]))
+    diagnostics = (
+        [
+            f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
+            f"{cfg.population_rows} fresh rows per client (Spearman with the truth "
+            f"{_pm(summary['spearman_population_D'])}), and with the paper's own formula for D "
+            f"(entrywise L1 norm of the scaled maps, norm='l1'); same t grid and CV."
+        ]
+        if cfg.diagnostics
+        else []
+    )
+    return [
+        f"{cfg.seeds} seeds, mean ± the 95% Student-t interval over seeds; 'decided': the "
+        "paired t-test's p-value of Karula minus method, Holm-adjusted over the table's "
+        f"comparisons, is below 0.05. {cfg.rounds} rounds, "
+        f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
+        f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was "
+        f"chosen) from the grids {grids}.",
+        f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
+        f"{_pm(rho['spearman_D'])}, Local-model distances {_pm(rho['spearman_local'])} "
+        f"(paired difference {format_mean_se(diff.diff, diff.half_width, digits=3)}, "
+        f"p = {float(diff.p_value):.2g}).",
+        *diagnostics,
+        f"Closed-form references: exact local ridge fits have estimation error "
+        f"{_pm(summary['exact_local_error'], 2)}, the exact pooled global fit "
+        f"{_pm(summary['exact_global_error'], 2)}.",
+        f"Karula's projections stop within {cfg.projection_tol:g} of S (certified gap), "
+        f"at most {cfg.projection_max_iter} iterations.",
+    ]
 
 
 class _Structure(NamedTuple):
@@ -323,32 +361,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         return last[0][1]
 
     def notes(result):
-        st, refs = analysis(result)
-        diagnostics = (
-            [
-                f"Diagnostics: Karula with D = the true ||theta_i* - theta_j*||^2, and with D from "
-                f"{cfg.population_rows} fresh rows per client (Spearman with the truth "
-                f"{_pm(st.rho_population)}), and with the paper's own formula for D (entrywise "
-                f"L1 norm of the scaled maps, norm='l1'); same t grid and CV."
-            ]
-            if cfg.diagnostics
-            else []
-        )
-        return [
-            f"{cfg.seeds} seeds, mean ± 2 SE over seeds; {cfg.rounds} rounds, "
-            f"{cfg.clients_per_round} of {cfg.num_clients} clients per round, full gradients; "
-            f"hyperparameters chosen by {cfg.num_folds}-fold CV per seed (how often each was "
-            f"chosen) from the grids {protocol.describe_grids(result.methods)}.",
-            f"Spearman correlation with the true ||theta_i* - theta_j*||^2: Karula's D "
-            f"{_pm(st.rho_D)}, Local-model distances {_pm(st.rho_local)} (paired difference "
-            f"{format_mean_se(*paired_difference(st.rho_D, st.rho_local), digits=3)}).",
-            *diagnostics,
-            f"Closed-form references: exact local ridge fits have estimation error "
-            f"{_pm(refs['local_error'], 2)}, the exact pooled global fit "
-            f"{_pm(refs['global_error'], 2)}.",
-            f"Karula's projections stop within {cfg.projection_tol:g} of S (certified gap), "
-            f"at most {cfg.projection_max_iter} iterations.",
-        ]
+        return table_notes(cfg, protocol.describe_grids(result.methods), summary(result))
 
     def summary(result):
         st, refs = analysis(result)
@@ -374,9 +387,11 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         )
         return {"heatmaps.png": heatmaps}
 
-    columns = [("method", "Method"), ("estimation_error", "Estimation error")]
-    columns += [("test_r2", "Test R^2"), ("karula_minus", "Karula minus method (error, paired)")]
-    columns += [("karula_minus_decided", "decided (> 2 SE)"), ("cv_choice", "CV choice")]
+    b = reporting.banded
+    columns = [("method", "Method"), ("estimation_error", b("Estimation error"))]
+    columns += [("test_r2", b("Test R^2"))]
+    columns += [("karula_minus", b("Karula minus method (error, paired)"))]
+    columns += reporting.verdict_columns("karula_minus") + [("cv_choice", "CV choice")]
     return protocol.Study(
         title="Synthetic ridge regression (paper Table 1)",
         config=cfg,
@@ -404,13 +419,12 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         figures=figures,
         digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
         options=functools.partial(_options, cfg),
-        json="config.json",
         command=command,
     )
 
 
 def run_experiment(cfg: SyntheticConfig, out, *, command: str, log=print) -> dict[str, Any]:
-    """Runs every method; writes ``table.{md,csv}``, ``heatmaps.png``, ``config.json`` to ``out``.
+    """Runs every method; writes ``table.{md,csv}``, ``heatmaps.png``, ``summary.json`` to ``out``.
 
     ``command`` is the command line quoted in the table's notes. Returns the summary dict.
     """
@@ -430,25 +444,39 @@ SETTINGS: dict[str, dict[str, Any]] = {  # results/synthetic_sensitivity/README.
 def run_sensitivity(
     base: SyntheticConfig, out, settings=SETTINGS, *, command: str = "--sensitivity"
 ) -> list[dict[str, Any]]:
-    """Runs the protocol once per generator setting; writes ``out/summary.{csv,md}``;
-    ``command``: the flags quoted in the notes."""
-    rows = []
+    """Runs the protocol once per generator setting; writes ``out/summary.{csv,md}``
+    (:func:`sensitivity_table`); ``command``: the flags quoted in the notes."""
+    summaries = {}
     for name, generator in settings.items():
         print(f"=== {name}: {generator}", flush=True)
         setting = f"python -m experiments.synthetic_ridge {command} ({name})"
         cfg = dataclasses.replace(base, generator=dict(generator), methods=METHODS)
-        summary = run_experiment(cfg, out / name, command=setting)
+        summaries[name] = run_experiment(cfg, out / name, command=setting)
+    return sensitivity_table(base, summaries, out, settings=settings, command=command)
+
+
+def sensitivity_table(
+    base: SyntheticConfig, summaries, out, *, settings=SETTINGS, command: str = "--sensitivity"
+) -> list[dict[str, Any]]:
+    """The sensitivity table from each setting's JSON summary (``{name: summary}``, with
+    ``per_seed`` and ``chosen``): per method the mean estimation error ± its 95% t
+    half-width; writes ``out/summary.{csv,md}`` and returns the rows."""
+    rows = []
+    for name, summary in summaries.items():
+        generator = settings[name]
         described = ", ".join(f"{k}={v}" for k, v in generator.items()) or "(defaults)"
         row = {m: summary["per_seed"][m]["estimation_error"] for m in METHODS}
         row |= {k: summary[k] for k in ("spearman_D", "spearman_local")}
         row = reporting.mean_se_columns({"setting": name, "generator": described}, **row)
         row["karula_t"] = ", ".join(sorted(set(summary["chosen"]["Karula"])))
         rows.append(row)
+    b = reporting.banded
     columns = [("setting", "Setting"), ("generator", "Generator keywords")]
-    columns += [(m, m) for m in METHODS] + [("spearman_D", "Spearman D")]
-    columns += [("spearman_local", "Spearman local"), ("karula_t", "Karula's t")]
+    columns += [(m, b(m)) for m in METHODS] + [("spearman_D", b("Spearman D"))]
+    columns += [("spearman_local", b("Spearman local")), ("karula_t", "Karula's t")]
     note = (
-        f"{base.seeds} seeds per setting, mean ± 2 SE; protocol of results/synthetic/README.md "
+        f"{base.seeds} seeds per setting, mean ± the 95% Student-t interval over seeds; "
+        f"protocol of results/synthetic/README.md "
         f"({base.num_folds}-fold CV, {base.rounds} rounds). Spearman: rank correlation with "
         "the true ||theta_i* - theta_j*||^2 of Karula's D and of the distances between Local "
         f"models. Command: `python -m experiments.synthetic_ridge {command}`."

@@ -2,9 +2,13 @@
 
 * :func:`cli` reads a config dataclass from the command line (``--field-name VALUE``).
 * A table is written twice (:func:`write_table`): a CSV with one number per cell (a
-  measured column ``k`` has its mean in ``k`` and its 2-SE half width in ``k_2se``) and
-  Markdown with ``mean ± 2 SE``. :func:`mean_se_columns`, :func:`paired_columns` and
-  :func:`comparison_rows` fill such rows from per-seed values ``[S]``.
+  measured column ``k`` has its mean in ``k`` and its half-width in ``k_2se``) and
+  Markdown with ``mean ± half-width``. :func:`mean_se_columns`, :func:`paired_columns` and
+  :func:`comparison_rows` fill such rows from per-seed values ``[S]`` with the decision
+  rule of :mod:`karula_jax.stats`: the half-width of a 95% Student-t interval (headers
+  say ``± 95% t``, :func:`banded`), the paired t-test's p-value, Holm's correction over
+  the table's comparisons, "decided" when the adjusted p-value is below 0.05
+  (:func:`verdict_columns` are their headers).
 * :func:`plot_heatmaps`, :func:`plot_curves`, :func:`plot_lines`,
   :func:`plot_client_triplet` write PNGs; :func:`markdown_table` formats rows written as
   text. (A benchmark's page: :mod:`karula_jax.benchmarking`.)
@@ -28,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from karula_jax.stats import format_mean_se, mean_and_se, paired_difference
+from karula_jax.stats import ALPHA, decide, format_mean_se, mean_and_se, paired_test, t_interval
 
 __all__ = [
+    "T_BAND",
+    "banded",
     "choice_counts",
     "cli",
     "client_triplet",
@@ -43,6 +49,7 @@ __all__ = [
     "plot_curves",
     "plot_heatmaps",
     "plot_lines",
+    "verdict_columns",
     "write_json",
     "write_table",
 ]
@@ -101,21 +108,50 @@ def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, *
     return cfg, args
 
 
-def mean_se_columns(row: dict, **values) -> dict:
-    """Adds ``row[k]`` (mean over seeds) and ``row[k + "_2se"]`` for every ``k=[S] array``."""
+T_BAND = "± 95% t"  # what the ± of a table's measured column is (:func:`banded`)
+
+
+def banded(header: str) -> str:
+    """``header`` marked as a mean ± the 95% Student-t half-width: ``"acc. (± 95% t)"``
+    (unchanged if it says so already)."""
+    return header if T_BAND in header else f"{header} ({T_BAND})"
+
+
+def verdict_columns(key: str) -> list[tuple[str, str]]:
+    """The ``(key, header)`` columns of the verdict on the paired column ``key``
+    (:func:`comparison_rows`): decided, the paired t-test's p and Holm's adjusted p."""
+    return [
+        (key + "_decided", f"decided (Holm p < {ALPHA:g})"),
+        (key + "_p", "p (paired t)"),
+        (key + "_p_holm", "Holm p"),
+    ]
+
+
+def mean_se_columns(row: dict, *, test_train_ratio: float = 0.0, **values) -> dict:
+    """Adds ``row[k]`` (mean over seeds) and ``row[k + "_2se"]``, the half-width of its
+    95% Student-t interval (:func:`karula_jax.stats.t_interval`), for every ``k=[S]
+    array``; ``test_train_ratio``: the corrected variance of overlapping splits."""
     for key, v in values.items():
-        row[key], row[key + "_2se"] = mean_and_se(v)
+        row[key], row[key + "_2se"] = t_interval(v, test_train_ratio=test_train_ratio)
     return row
 
 
-def paired_columns(row: dict, key: str, reference, values) -> dict:
-    """Adds the paired difference ``reference - values`` over seeds (``[S]`` each) as
-    ``row[key]`` ± ``row[key + "_2se"]`` and ``row[key + "_decided"]``: "yes" when it
-    exceeds its 2 SE, "no" otherwise, "-" for the reference itself."""
-    diff, band = paired_difference(reference, values)
+def paired_columns(
+    row: dict, key: str, reference, values, *, test_train_ratio: float = 0.0
+) -> dict:
+    """Adds the paired difference ``reference - values`` over seeds (``[S]`` each).
+
+    ``row[key]`` ± ``row[key + "_2se"]`` is the difference and its 95% t half-width,
+    ``row[key + "_p"]`` the paired t-test's two-sided p-value
+    (:func:`karula_jax.stats.paired_test`, ``test_train_ratio`` as there), and
+    ``row[key + "_decided"]`` "yes" when that p-value is below 0.05 (a family of one:
+    :func:`comparison_rows` corrects for a table's several comparisons), "no" otherwise,
+    "-" for the reference itself (identical values; its p-value "-")."""
+    test = paired_test(reference, values, test_train_ratio=test_train_ratio)
     same = np.array_equal(np.asarray(reference), np.asarray(values))
-    row[key], row[key + "_2se"] = diff, band
-    row[key + "_decided"] = "-" if same else ("yes" if abs(diff) > band else "no")
+    row[key], row[key + "_2se"] = test.diff, test.half_width
+    row[key + "_p"] = "-" if same else float(test.p_value)
+    row[key + "_decided"] = "-" if same else ("yes" if test.p_value < ALPHA else "no")
     return row
 
 
@@ -125,25 +161,54 @@ def choice_counts(labels: Sequence[str]) -> str:
 
 
 def comparison_rows(
-    values: Mapping[str, Mapping[str, Any]], *, reference: str, paired: str
+    values: Mapping[str, Mapping[str, Any]],
+    *,
+    reference: str,
+    paired: str,
+    test_train_ratio: float = 0.0,
 ) -> list[dict]:
-    """One table row per method from its per-seed values.
+    """One table row per method from its per-seed values, with the table's verdicts.
+
+    Every column is a mean ± its 95% t half-width (:func:`mean_se_columns`); the paired
+    difference ``reference - method`` of column ``paired`` goes into ``key =
+    <reference>_minus`` (lower case; :func:`paired_columns`). The p-values of all rows
+    but the reference's form one family: ``key + "_p_holm"`` holds Holm's adjusted
+    p-value and ``key + "_decided"`` is "yes" where it is below 0.05
+    (:func:`karula_jax.stats.decide`), "-" for the reference.
 
     Args:
       values: ``{method: {column: [S] values}}``, every method with the same columns.
       reference: the method the others are compared with.
-      paired: the column whose paired difference ``reference - method`` goes into
-        ``<reference>_minus`` (lower case; :func:`paired_columns`).
+      paired: the column compared.
+      test_train_ratio: ``n_test / n_train`` where the seeds are overlapping random
+        splits of one pool (the corrected variance, :func:`karula_jax.stats.t_interval`);
+        0 for independent seeds.
 
     Returns:
-      Rows ``{"method": name, column: mean, column + "_2se": 2 SE, ...}`` in the order of
+      Rows ``{"method": name, column: mean, column + "_2se": half-width, key, key +
+      "_2se", key + "_p", key + "_p_holm", key + "_decided", ...}`` in the order of
       ``values``.
+
+    Raises:
+      ValueError: ``reference`` is not a method of ``values``.
     """
+    if reference not in values:
+        raise ValueError(f"reference {reference!r} is not one of the methods {list(values)}")
     key, ref = reference.lower() + "_minus", values[reference][paired]
-    rows = []
+    rows, tested = [], []
     for name, v in values.items():
-        row = mean_se_columns({"method": name}, **v)
-        rows.append(paired_columns(row, key, ref, v[paired]))
+        row = mean_se_columns({"method": name}, test_train_ratio=test_train_ratio, **v)
+        row = paired_columns(row, key, ref, v[paired], test_train_ratio=test_train_ratio)
+        if name == reference:
+            row[key + "_p"] = row[key + "_p_holm"] = row[key + "_decided"] = "-"
+        else:  # a method identical to the reference is a comparison too: a tie, p = 1
+            row[key + "_p"] = 1.0 if row[key + "_p"] == "-" else row[key + "_p"]
+            tested.append(row)
+        rows.append(row)
+    verdict = decide([r[key + "_p"] for r in tested])
+    for row, adjusted, decided in zip(tested, verdict.adjusted, verdict.decided, strict=True):
+        row[key + "_p_holm"] = float(adjusted)
+        row[key + "_decided"] = "yes" if decided else "no"
     return rows
 
 
@@ -193,7 +258,9 @@ def write_table(
     """Writes rows to ``<path>.csv`` and ``<path>.md``; returns the Markdown table alone.
 
     Args:
-      rows: one mapping per row; a measured key ``k`` comes with ``k + "_2se"``.
+      rows: one mapping per row; a measured key ``k`` comes with ``k + "_2se"`` (shown
+        as ``mean ± half-width``); a float under a key ending in ``_p`` or ``_p_holm``
+        is a p-value, shown with 3 decimals (``< 0.001`` below).
       columns: ``(key, header)`` pairs in display order.
       path: the two files' path without suffix (``out / "table"``); missing folders
         are created.
@@ -214,6 +281,8 @@ def write_table(
         v, d = r.get(key, ""), digits.get(key, 3)
         if key + "_2se" in r:
             return format_mean_se(v, r[key + "_2se"], digits=d)
+        if key.endswith(("_p", "_p_holm")) and isinstance(v, float | np.floating):
+            return "< 0.001" if v < 0.001 else f"{v:.3f}"
         return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]

@@ -15,6 +15,14 @@ paper's units: ``1/(2 eta) ||theta - v||^2 <= delta + 1/(2 eta) min_{u in K} ||u
 i.e. ``delta = info.delta / eta`` for the certificate ``info.delta`` of
 :func:`karula_jax.projection.project` (which bounds ``1/2 ||theta - v||^2 - 1/2 min ...``).
 
+The statement's constant ``8 L / 3`` is not what the paper's proof yields. The proof ends
+with ``(1/K) sum_{k<K} E ||G||^2 <= (gap / K + eps) / (eta / 2 - eta^2 L)``, and at
+``eta = 3 / (8 L)`` the denominator is ``3 / (64 L)``: the constant is ``64 L / 3``, eight
+times the stated one. The proof also drops a factor ``eta`` from the noise term (Young's
+inequality gives ``eta E ||nu - grad f||^2``; without ``eta`` the term is not in the units of
+``f``). :func:`theorem_4_3_proof_bound` is the bound the proof establishes, with both
+corrected; ``docs/theory.md`` derives it and says what each test checks.
+
 Functions here take flat models ``theta: [n, p]`` (every coordinate personalized).
 """
 
@@ -34,6 +42,7 @@ __all__ = [
     "paper_delta",
     "theorem_step",
     "theorem_4_3_bound",
+    "theorem_4_3_proof_bound",
     "weighted_gradient",
 ]
 
@@ -134,7 +143,9 @@ def theorem_4_3_bound(smoothness_max, initial_gap, rounds, *, sigma_sq=0.0, s=No
       delta: the projection error in the paper's units (:func:`paper_delta`).
 
     Returns:
-      ``(8 L / 3) (initial_gap / K + 4 sigma^2 (s + 1) / s + 2 delta)``.
+      ``(8 L / 3) (initial_gap / K + 4 sigma^2 (s + 1) / s + 2 delta)``, the paper's
+      statement (which its proof does not establish: see
+      :func:`theorem_4_3_proof_bound`).
 
     Raises:
       ValueError: ``smoothness_max <= 0``; a negative ``initial_gap``, ``sigma_sq`` or
@@ -158,6 +169,60 @@ def theorem_4_3_bound(smoothness_max, initial_gap, rounds, *, sigma_sq=0.0, s=No
         noise = 4.0 * jnp.asarray(sigma_sq) * (s + 1) / s
     eps = noise + 2.0 * delta
     return (8.0 * smoothness_max / 3.0) * (initial_gap / jnp.asarray(rounds) + eps)
+
+
+def theorem_4_3_proof_bound(smoothness_max, decrease, rounds, *, sigma_sq=0.0, s=None, delta=0.0):
+    """The bound the proof of Theorem 4.3 establishes, on the average over ``k < K``.
+
+    The proof's last display, with its dropped ``eta`` restored in the noise term (the
+    Young step bounds the inner product by ``eta E ||nu^k - grad f(theta^k)||^2``)::
+
+        (1/K) sum_{k<K} E ||G_eta(theta^k)||^2
+            <= (64 L / 3) (decrease / K + eta 4 sigma^2 (s + 1) / s + 2 delta)
+             = (64 L / 3) (decrease / K + 2 delta) + 32 sigma^2 (s + 1) / s,
+
+    ``eta = 3 / (8 L)``, ``64 L / 3 = 1 / (eta / 2 - eta^2 L)``. The proof telescopes to
+    ``decrease = f(theta^0) - E f(theta^K)``; ``f(theta^0) - f*`` is larger, and the
+    minimum over ``k < K`` is at most the average, so this implies the theorem's form with
+    the constant ``64 L / 3``.
+
+    Args:
+      smoothness_max: ``L = max_i alpha_i L_i`` (> 0), in units of ``f`` per squared
+        parameter.
+      decrease: ``f(theta^0) - E f(theta^K)`` (>= 0), or ``f(theta^0) - f*``; scalar or
+        array (one per ``K``, broadcast with ``rounds``).
+      rounds: ``K >= 1``, scalar or array (broadcast with ``decrease``).
+      sigma_sq: Assumption 4.2's ``sigma^2`` (squared gradient units; 0: full gradients).
+      s: participants per round (needed when ``sigma_sq > 0``).
+      delta: the projection error in the paper's units (:func:`paper_delta`).
+
+    Returns:
+      The right-hand side, in squared gradient units (those of ``||G||^2``).
+
+    Raises:
+      ValueError: as :func:`theorem_4_3_bound` (``decrease`` in place of ``initial_gap``).
+
+    Examples:
+      >>> from karula_jax.theory import theorem_4_3_bound, theorem_4_3_proof_bound
+      >>> float(theorem_4_3_proof_bound(3.0, 1.0, 4) / theorem_4_3_bound(3.0, 1.0, 4))
+      8.0
+    """
+    dec = concrete(decrease)
+    if dec is not None and not np.all(dec >= 0):  # NaN fails too
+        raise ValueError(f"decrease must be >= 0, got {np.asarray(dec).tolist()}")
+    check_positive("smoothness_max", smoothness_max)
+    sigma = concrete(sigma_sq)
+    if sigma is not None and np.any(sigma < 0):  # named here, not as eta sigma_sq below
+        raise ValueError(f"sigma_sq must be >= 0, got {sigma.tolist()}")
+    eta = theorem_step(smoothness_max)
+    # (8 L / 3) (eta 4 sigma^2 (s + 1) / s + 2 delta), with that function's checks of
+    # rounds, s and delta
+    eps = theorem_4_3_bound(
+        smoothness_max, 0.0, rounds, sigma_sq=eta * jnp.asarray(sigma_sq), s=s, delta=delta
+    )
+    return 8.0 * eps + (64.0 * jnp.asarray(smoothness_max) / 3.0) * (
+        jnp.asarray(decrease) / jnp.asarray(rounds)
+    )
 
 
 def minibatch_sigma_sq(loss, theta, x, y, counts, alpha, batch_size: int) -> jnp.ndarray:

@@ -18,7 +18,7 @@ from _tolerances import EPS32, EPS64, certified_distance, reordered_sum
 from karula_jax import projection as proj
 from karula_jax.projection import api as proj_api
 
-SOLVERS = ("dykstra", "laplacian")
+SOLVERS = ("dykstra", "laplacian", "fista")
 DEFAULT_TOL = inspect.signature(proj.project).parameters["tol"].default
 
 
@@ -197,12 +197,14 @@ def test_p_larger_than_n_and_solvers_agree_float64():
             proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method=m, tol=1e-12, max_iter=20000)
             for m in SOLVERS
         ]
-    (th_d, info_d), (th_l, info_l) = outs
     scale = _scale(v)
-    dist_d, dist_l = _distance(info_d, v, th_d, scale), _distance(info_l, v, th_l, scale)
-    np.testing.assert_allclose(th_d, th_l, rtol=0, atol=dist_d + dist_l)
-    np.testing.assert_allclose(th_l, ref.theta, rtol=0, atol=dist_l + ref.radius)
-    assert bool(info_d.converged) and bool(info_l.converged)
+    th_0, dist_0 = outs[0][0], _distance(outs[0][1], v, outs[0][0], scale)
+    for th, info in outs:
+        # each certified: within its distance of the exact projection, so of each other
+        dist = _distance(info, v, th, scale)
+        np.testing.assert_allclose(th, th_0, rtol=0, atol=dist_0 + dist)
+        np.testing.assert_allclose(th, ref.theta, rtol=0, atol=dist + ref.radius)
+        assert bool(info.converged)
 
 
 @pytest.mark.parametrize("method", SOLVERS)

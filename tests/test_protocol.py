@@ -579,6 +579,12 @@ def test_compare_runs_cross_validate_per_method_and_logs_each():
     kw |= dict(score=lambda m: m["mse"].mean(-1))
     lines = []
     out = compare(methods, jnp.zeros(2), cv, describe=lambda o: "x", log=lines.append, **kw)
+    # 5 rounds: a method whose loss is still falling gets a line naming it
+    flat = [line for line in lines if "raise num_rounds" in line]
+    lines = [line for line in lines if line not in flat]
+    assert [line.split(":")[0].strip() for line in flat] == [
+        name for name, o in out.items() if not o.flattened.all()
+    ]
     # a two-point grid has only edges: the log says so after the method's line
     assert list(out) == ["grid", "fixed"] and len(lines) == 3
     assert "chosen" in lines[0] and "[edge]" in lines[0]

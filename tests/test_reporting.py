@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 from _tolerances import EPS64, reordered_sum
+from scipy import stats as sps
 
 from karula_jax import reporting
 from karula_jax.data import from_client_arrays
@@ -40,38 +41,84 @@ def test_cli_reads_every_simple_field_and_the_quick_config(tmp_path):
         cli(_Config, ["--nested", "1"], quick=quick, out=tmp_path)
 
 
-def test_paired_columns_decide_only_beyond_two_standard_errors():
+def test_paired_columns_decide_by_the_paired_t_test():
     ref = np.array([1.0, 2.0, 3.0, 4.0])
-    row = paired_columns({}, "d", ref, ref - np.array([1.0, 1.1, 0.9, 1.0]))
+    diffs = np.array([1.0, 1.1, 0.9, 1.0])
+    row = paired_columns({}, "d", ref, ref - diffs)
     # float64: the differences round by EPS64 of ref's size (4), a mean of 4 and a standard
     # error's 4 more steps
     tol = reordered_sum(4 + 4, eps=EPS64) * 4.0
     assert row["d"] == pytest.approx(1.0, abs=tol) and row["d_decided"] == "yes"
-    want = 2 * np.std([1.0, 1.1, 0.9, 1.0], ddof=1) / 2
-    assert row["d_2se"] == pytest.approx(want, abs=2 * tol)
+    want = sps.t.ppf(0.975, 3) * np.std(diffs, ddof=1) / 2  # the 95% t half-width
+    assert row["d_2se"] == pytest.approx(want, abs=4 * tol)
+    # the p-value's statistic is about 24; as tol, times 2 pdf(t) <= 0.8 per unit of t
+    p_ref = sps.ttest_rel(ref, ref - diffs).pvalue
+    assert row["d_p"] == pytest.approx(p_ref, abs=24 * tol)
     noisy = paired_columns({}, "d", ref, ref + np.array([1.0, -1.0, 1.0, -1.2]))
     assert noisy["d_decided"] == "no"
-    assert paired_columns({}, "d", ref, ref)["d_decided"] == "-"
+    same = paired_columns({}, "d", ref, ref)
+    assert same["d_decided"] == "-" and same["d_p"] == "-"
+    overlap = paired_columns({}, "d", ref, ref - diffs, test_train_ratio=1.0)
+    assert overlap["d_2se"] == pytest.approx(want * np.sqrt(1 + 4 * 1.0), abs=8 * tol)
 
 
-def test_comparison_rows_match_numpy_means_and_paired_differences():
+def _holm(p):
+    """Holm written out (ascending p, step k multiplies by m - k, running maximum)."""
+    order, out, running = np.argsort(p, kind="stable"), np.empty(len(p)), 0.0
+    for k, i in enumerate(order):
+        running = max(running, (len(p) - k) * p[i])
+        out[i] = min(1.0, running)
+    return out
+
+
+def test_comparison_rows_match_numpy_scipy_and_holm():
     rng = np.random.default_rng(0)
-    values = {m: {"err": rng.normal(size=5), "r2": rng.normal(size=5)} for m in "ABC"}
+    values = {m: {"err": rng.normal(size=5), "r2": rng.normal(size=5)} for m in "ABCD"}
+    values["C"]["err"] = values["B"]["err"] + 1.5 + 0.1 * rng.normal(size=5)  # decided
+    values["D"] = {k: v.copy() for k, v in values["B"].items()}  # a tie with the reference
     rows = comparison_rows(values, reference="B", paired="err")
-    assert [r["method"] for r in rows] == ["A", "B", "C"]
+    assert [r["method"] for r in rows] == ["A", "B", "C", "D"]
     for r in rows:
         v = values[r["method"]]
         for k in ("err", "r2"):
             # float64 sums of 5 values and a standard error's 4 steps, of their size
             tol = reordered_sum(5 + 4, eps=EPS64) * np.abs(v[k]).max()
             assert r[k] == pytest.approx(v[k].mean(), abs=tol)
-            assert r[k + "_2se"] == pytest.approx(2 * v[k].std(ddof=1) / np.sqrt(5), abs=2 * tol)
+            half = sps.t.ppf(0.975, 4) * v[k].std(ddof=1) / np.sqrt(5)
+            assert r[k + "_2se"] == pytest.approx(half, abs=4 * tol)
         d = values["B"]["err"] - v["err"]
         # as above, of the two methods' values (each difference rounds once)
         size = np.abs(values["B"]["err"]).max() + np.abs(v["err"]).max()
         tol = reordered_sum(5 + 2, eps=EPS64) * size
         assert r["b_minus"] == pytest.approx(d.mean(), abs=tol)
-    assert rows[1]["b_minus_decided"] == "-"
+    assert rows[1]["b_minus_decided"] == rows[1]["b_minus_p_holm"] == "-"
+    others = [rows[0], rows[2], rows[3]]
+    raw = [sps.ttest_rel(values["B"]["err"], values[r["method"]]["err"]).pvalue for r in others]
+    raw[2] = 1.0  # scipy: NaN for a zero-variance tie; the rule: p = 1, never decided
+    for r, p, adjusted in zip(others, raw, _holm(np.array(raw)), strict=True):
+        # statistics below 100 (about 30 for C): 11 float64 roundings of each (a mean, a
+        # standard deviation, a division), moving p by at most 2 pdf(t) <= 0.8 per unit
+        # of t; Holm multiplies by at most 3
+        tol = 100 * reordered_sum(5 + 6, eps=EPS64)
+        assert r["b_minus_p"] == pytest.approx(p, abs=tol)
+        assert r["b_minus_p_holm"] == pytest.approx(adjusted, abs=3 * tol)
+        assert r["b_minus_decided"] == ("yes" if adjusted < 0.05 else "no")
+    assert rows[2]["b_minus_decided"] == "yes" and rows[3]["b_minus_decided"] == "no"
+    with pytest.raises(ValueError, match="reference 'Z' is not one of the methods"):
+        comparison_rows(values, reference="Z", paired="err")
+
+
+def test_write_table_shows_p_values_and_interval_headers(tmp_path):
+    rows = [{"method": "A", "x": 1.0, "x_2se": 0.5, "x_p": 0.0004, "x_p_holm": 0.0321}]
+    rows += [{"method": "B", "x": 2.0, "x_2se": 0.25, "x_p": "-", "x_p_holm": "-"}]
+    columns = [("method", "m"), ("x", reporting.banded("x")), ("x_p", "p"), ("x_p_holm", "q")]
+    text = reporting.write_table(rows, columns, tmp_path / "t")
+    assert "| m | x (± 95% t) | p | q |" in text
+    assert "| A | 1.000 ± 0.500 | < 0.001 | 0.032 |" in text
+    assert "| B | 2.000 ± 0.250 | - | - |" in text
+    assert reporting.banded(reporting.banded("x")) == "x (± 95% t)"
+    keys = [k for k, _ in reporting.verdict_columns("k")]
+    assert keys == ["k_decided", "k_p", "k_p_holm"]
 
 
 def test_choice_counts_sorts_and_skips_empty_labels():

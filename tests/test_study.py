@@ -163,7 +163,8 @@ def test_fix_choices_rows_and_writer(tmp_path):
         json="s.json",
         log=lambda _: None,
     )
-    assert "| Karula | 0.750 ± 0.300 | t=1 x1, t=4 x1 |" in text
+    # ± is the 95% t half-width: t(0.975, 1) = 12.706 times the SE 0.15 of two seeds
+    assert "| Karula | 0.750 ± 1.906 | t=1 x1, t=4 x1 |" in text
     assert drawn == [tmp_path / "out" / "f.png"]
     assert json.loads((tmp_path / "out" / "s.json").read_text()) == {"x": [0, 1]}
     assert (tmp_path / "out" / "table.md").read_text().endswith("a note\n")

@@ -79,9 +79,9 @@ def test_normalize_makes_mean_off_diagonal_one():
         )
 
 
-def test_quick_run_writes_the_table_figure_and_config(tmp_path):
+def test_quick_run_writes_the_table_figure_and_summary(tmp_path):
     summary = sr.main(["--quick", "--diagnostics", "--out", str(tmp_path)])
-    for name in ("table.csv", "table.md", "heatmaps.png", "config.json"):
+    for name in ("table.csv", "table.md", "heatmaps.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
     with open(tmp_path / "table.csv") as fh:
         rows = list(csv.DictReader(fh))
@@ -96,6 +96,8 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
         "karula_minus",
         "karula_minus_2se",
         "karula_minus_decided",
+        "karula_minus_p",
+        "karula_minus_p_holm",
     }
     for r in rows:
         for key in ("estimation_error", "estimation_error_2se", "test_r2", "test_r2_2se"):
@@ -108,7 +110,7 @@ def test_quick_run_writes_the_table_figure_and_config(tmp_path):
     assert by_method["pFedMe"]["cv_choice"].startswith("lambda=")
     md = (tmp_path / "table.md").read_text()
     assert all(m in md for m in sr.quick_config().methods) and "±" in md
-    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg = json.loads((tmp_path / "summary.json").read_text())
     assert cfg["config"]["seeds"] == 2 and cfg["total_seconds"] > 0
     assert len(summary["chosen"]["Karula"]) == 2
     assert cfg["config"]["diagnostics"] and len(cfg["spearman_population_D"]) == 2
@@ -170,7 +172,7 @@ def test_sensitivity_runs_each_setting_and_summarizes(tmp_path):
     settings = {"grouped": {"group_feature_std": 0.3}}
     rows = sr.run_sensitivity(sr.quick_config(), tmp_path, settings)
     assert [r["setting"] for r in rows] == ["grouped"]
-    sub = json.loads((tmp_path / "grouped" / "config.json").read_text())
+    sub = json.loads((tmp_path / "grouped" / "summary.json").read_text())
     assert sub["config"]["generator"] == {"group_feature_std": 0.3}
     with open(tmp_path / "summary.csv") as fh:
         (row,) = list(csv.DictReader(fh))

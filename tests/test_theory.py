@@ -6,9 +6,15 @@
   every ``K`` (``f*`` from cvxpy, ``G_eta`` with a float64 projection); with minibatches
   it stays under the bound with the floor ``4 sigma^2 (s + 1) / s``, ``sigma^2`` from the
   closed-form variance of a minibatch drawn without replacement.
+- The proof's average form (``theory.theorem_4_3_proof_bound``, constant ``64 L / 3``):
+  ``(1/K) sum_{k<K} E ||G||^2 <= (64 L / 3)(f(theta^0) - E f(theta^K)) / K`` within 10x of
+  what is measured at every ``K`` (exact gradients), so a constant wrong by 10x fails.
 - Proposition 3.4: ``||theta_i* - theta_j*||^2 <= 2 L_X W1(P_i, P_j) / gamma`` for the
   local ridge optima, with W1 exact (POT's network simplex) and ``L_X``, ``gamma`` computed
   from the data.
+
+Instances where the bounds are attained (the statement's ``8 L / 3`` failing, a missing
+factor 2 in Proposition 3.4 failing, a non-convex MLP) are in ``test_theory_tight.py``.
 """
 
 from __future__ import annotations
@@ -201,7 +207,33 @@ def test_theorem_4_3_exact_gradients_every_k(setting, exact_run):
     assert np.mean(d2[:, iu[0], iu[1]] >= 0.9 * radii_sq[iu]) > 0.2
 
 
-def test_theorem_4_3_floor_grows_with_minibatch_noise(setting):
+def _average_form(data, theta, norms):
+    """``(1/K) sum_{k<K} E ||G||^2`` and ``f(theta^0) - E f(theta^K)`` for ``K = 1 ..
+    rounds - 1`` (seed means; ``theta`` holds ``theta^0 .. theta^{rounds-1}``)."""
+    K = np.arange(1, theta.shape[1])
+    avg = np.cumsum(norms.mean(0))[:-1] / K
+    f = _objective(data, np.asarray(theta))
+    return K, avg, f[:, 0].mean() - f[:, 1:].mean(0)
+
+
+def test_theorem_4_3_proof_bound_within_ten_times_at_every_k(setting, exact_run):
+    """The proof's telescoped inequality, ``(1/K) sum_{k<K} E||G||^2 <= (64 L / 3)
+    (f(theta^0) - E f(theta^K)) / K``, holds at every ``K`` and is within 10x: measured
+    0.120-0.126 of it. A gradient step at ``eta`` decreases ``f`` by about ``eta ||G||^2``,
+    so the average is about ``(1 / eta)`` times the decrease per round, and ``64 L / 3 = 8 /
+    eta``: a tenth of the constant (or any constant under ``6.4 L / 3``) fails."""
+    data, radii_sq, L, eta, f_star = setting
+    theta, deltas, norms = exact_run
+    K, avg, decrease = _average_form(data, theta, norms)
+    delta = float(np.max(theory.paper_delta(np.asarray(deltas), eta)))
+    bound = np.asarray(theory.theorem_4_3_proof_bound(L, decrease, K, delta=delta))
+    ratio = avg / bound
+    # effect sizes, not roundings (float64): the ratio is 0.120-0.126 over K, with
+    # margins of 20% to 0.1 and 8x to 1 for the error of the 8-draw seed mean
+    assert np.all(ratio <= 1.0) and np.all(ratio > 0.1), (ratio.min(), ratio.max())
+
+
+def test_theorem_4_3_floor_grows_with_minibatch_noise(setting, exact_run):
     data, radii_sq, L, eta, f_star = setting
     with jax.enable_x64(True):
         theta, deltas, _ = _iterates(data, radii_sq, eta, batch_size=2)
@@ -227,10 +259,17 @@ def test_theorem_4_3_floor_grows_with_minibatch_noise(setting):
     delta = float(np.max(theory.paper_delta(np.asarray(deltas), eta)))
     bound = np.asarray(theory.theorem_4_3_bound(L, gap0, K, sigma_sq=sigma_sq, s=S, delta=delta))
     assert np.all(running_min <= bound)
-    # the noise floor is what keeps the mapping from vanishing: the exact-gradient bound
-    # without it is eventually below the observed minimum
-    exact_bound = np.asarray(theory.theorem_4_3_bound(L, gap0, K))
-    assert exact_bound[-1] < bound[-1]
+    # the proof's average form with its noise term 32 sigma^2 (s + 1) / s holds too
+    Ka, avg, decrease = _average_form(data, theta, norms)
+    proved = theory.theorem_4_3_proof_bound(L, decrease, Ka, sigma_sq=sigma_sq, s=S, delta=delta)
+    assert np.all(avg <= np.asarray(proved))
+    # the noise raises the floor: the last quarter's E||G||^2 is above the exact run's
+    # (an effect size; both float64). Both bounds are far above it (the statement's
+    # by 1,000x and more): their noise terms are not tested here, but in
+    # test_theory_tight.py, where the statement's fails
+    last = slice(-(ROUNDS // 4), None)
+    exact = exact_run[2].mean(0)
+    assert norms.mean(0)[last].mean() > 2 * exact[last].mean()
 
 
 def test_theorem_4_3_floor_grows_with_the_projection_error(setting, exact_run):
@@ -287,7 +326,6 @@ def test_proposition_3_4_w1_bound_on_random_ridge(seed):
     R = max(
         np.linalg.norm(np.column_stack([x, y]), axis=1).max() for x, y in zip(xs, ys, strict=True)
     )
-    ratios = []
     for i in range(n):
         for j in range(i + 1, n):
             zi, zj = np.column_stack([xs[i], ys[i]]), np.column_stack([xs[j], ys[j]])
@@ -297,11 +335,9 @@ def test_proposition_3_4_w1_bound_on_random_ridge(seed):
             lhs = float(((opt[i] - opt[j]) ** 2).sum())
             rhs = 2.0 * L_X * w1 / gamma
             assert lhs <= rhs, (i, j, lhs, rhs)
-            ratios.append(rhs / lhs)
-    # the two sides are comparable quantities (the bound is informative, not astronomically
-    # loose): a W1 or a distance off by a large factor would show here (an effect size:
-    # both sides are float64, from POT's exact W1)
-    assert min(ratios) < 1e3
+    # the bound is loose on ridge (L_X a worst case over the data ball): a missing factor 2
+    # would pass here; test_theory_tight.py has an instance with equality, where it fails.
+    # Here a W1 or a distance too large by more than the smallest ratio would fail.
 
 
 def test_karula_theorem_step_is_three_eighths_over_weighted_max():

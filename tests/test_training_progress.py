@@ -48,3 +48,20 @@ def test_bar_summary_averages_finite_runs_and_counts_the_others():
     assert fine == {"loss": 1.5}  # no count when every run is finite
     none = scalar_summary(types.SimpleNamespace(loss=np.array([np.nan])), {})
     assert np.isnan(none["loss"]) and none["nonfinite_runs"] == 1
+
+
+def test_compilation_is_a_step_before_the_runs_bar_of_rounds(capsys):
+    """compile_step's bar completes when the run inside it opens its bar of rounds (its
+    programs are compiled by then), and before any round is shown."""
+    from karula_jax.training.progress import compile_step
+
+    kw = dict(key=jax.random.PRNGKey(3), num_rounds=4, chunk_size=2, eval_fn=eval_fn)
+    with compile_step("toy run") as step:
+        training.run(ALG, PARAMS, DATA, progress=True, **kw)
+        assert step.n == 1  # completed by the bar of rounds, not by the end of the block
+    err = capsys.readouterr().err
+    assert "toy run: compiling" in err and "1/1" in err
+    assert err.index("toy run: compiling") < err.index("4/4")
+    with compile_step("silent", enabled=False):
+        pass
+    assert capsys.readouterr().err == ""

@@ -60,10 +60,14 @@ Dykstra for one pair (``n = 2``, state at most ``2**20`` floats), else the Lapla
 round-robin perfect matchings of the complete graph (``n - 1`` matchings, or ``n`` with
 a bye when ``n`` is odd; the pair kernel vmapped over the disjoint pairs of a matching;
 one vector of dual state per pair); ``"laplacian"`` is a projected Newton-CG ascent on
-the ``n x n`` multipliers only (no per-pair vectors), for many clients. Both return the
-same certified output. (A parallel Dykstra that averages per-pair copies of each client
-was dropped: on the same instances it needed 10 to 100 times more iterations and could
-not certify ``tol = 1e-10`` within 300,000 iterations at ``n = 40``.)
+the ``n x n`` multipliers only (no per-pair vectors), for many clients; ``"fista"`` is an
+accelerated projected gradient ascent on the same multipliers whose iteration is a few
+``n x n``-sized kernels with no inner loop, run in fixed-trip ``lax.scan`` blocks of 10
+with the certificate once a block (on the CPU slower than ``"laplacian"``: 6-12x its
+iterations; results/bench/README.md). All return the same certified output. (A parallel
+Dykstra that averages per-pair copies of each client was dropped: on the same instances
+it needed 10 to 100 times more iterations and could not certify ``tol = 1e-10`` within
+300,000 iterations at ``n = 40``.)
 
 Precision: the certificate is computed in the input dtype. In float32 it is exact only
 up to a few ``1e-7 * S`` (rounding in ``g``), so ``delta`` may undershoot the true

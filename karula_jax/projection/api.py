@@ -559,10 +559,12 @@ def project(
         set to the mean) or a pytree of Python bools like ``v`` (True: constrained, False:
         shared), the meaning it has in every algorithm factory. None is refused.
       method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
-        (cyclic Dykstra over all pairs; state ``O(n^2 p)``) or ``"laplacian"`` (dual
-        ascent on the ``n x n`` multipliers); ``"auto"``: :func:`choose_method` of the
-        static ``n`` and ``p``; ``"none"``: no projection (an ablation: ``v`` is returned
-        as is, with a report of zeros and ``warm_start``, of any solver, passed through).
+        (cyclic Dykstra over all pairs; state ``O(n^2 p)``), ``"laplacian"`` (Newton dual
+        ascent on the ``n x n`` multipliers) or ``"fista"`` (accelerated projected gradient
+        on the same multipliers, fixed-trip blocks; slower on the CPU); ``"auto"``:
+        :func:`choose_method` of the static ``n`` and ``p``; ``"none"``: no projection (an
+        ablation: ``v`` is returned as is, with a report of zeros and ``warm_start``, of any
+        solver, passed through).
       tol: stop when ``delta <= tol * S``, ``S = 1/2 sum_i ||v_i - mean(v)||^2`` over
         the personalized leaves (the objective of collapsing to the mean).
       max_iter: iteration cap (the loop checks the certificate every 10 iterations).

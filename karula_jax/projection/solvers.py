@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from karula_jax.projection import dykstra, laplacian
+from karula_jax.projection import dykstra, fista, laplacian
 from karula_jax.projection.contract import Solver
 
 __all__ = ["SOLVERS"]
@@ -13,4 +13,7 @@ SOLVERS: dict[str, Solver] = {
     # It multiplies [n, n] by [n, k] in every evaluation: rotating (O(n^2 p) once) pays
     # from p >= 2n on.
     "laplacian": Solver(laplacian.solve, pair_state=False, rotate=lambda n, p: p >= 2 * n),
+    # Accelerated projected gradient on the same multipliers, fixed-trip blocks (few large
+    # kernels an iteration, no inner loops); rotated where the Laplacian dual is.
+    "fista": Solver(fista.solve, pair_state=False, rotate=lambda n, p: p >= 2 * n),
 }

@@ -11,14 +11,19 @@ method with hyperparameters is cross-validated per seed. The path of a study:
    :func:`member_dissimilarities` gives every member its D, :func:`cluster_labels` its
    clients' groups.
 2. :mod:`~karula_jax.protocol.rates`: the step-size rules (:func:`smoothness_rates` from
-   :func:`smoothness_constants`; :func:`member_default_rates`, each method's default).
+   :func:`smoothness_constants`; :func:`member_default_rates`, each method's default;
+   :func:`default_rate_rules`, every rule from those defaults, with the
+   :data:`RATE_MULTIPLES` of each that CV chooses among).
 3. :mod:`~karula_jax.protocol.methods`: the registry, one :class:`MethodRow` per method
    (factory, tuned hyperparameter and grid, rate rules, display name);
    :func:`build_methods` makes the study's :class:`Method` objects; :func:`register`
    adds a method.
 4. :mod:`~karula_jax.protocol.cv`: :func:`cross_validate` trains a method on every member
    and grid point with :func:`karula_jax.training.run_many` and picks a point per seed;
-   :func:`compare` does so for every method.
+   :func:`compare` does so for every method, and flags every method whose training
+   loss did not flatten by the last round (raise ``num_rounds``).
+   :mod:`~karula_jax.protocol.report`: :func:`write_comparison` writes its table and
+   figure in one call.
 5. :mod:`~karula_jax.protocol.study`: the study driver. :func:`draw_study` (data draws ->
    stacked CV layout -> D per member), :func:`compare`, :func:`study_rows` and
    :func:`write_study` (one table, JSON and figure writer); :func:`run_study` runs them on
@@ -40,6 +45,7 @@ from karula_jax.protocol.datasets import (
 from karula_jax.protocol.methods import (
     GRID_KINDS,
     REGISTRY,
+    STEP_KEYWORDS,
     SUITE,
     TAGS,
     Method,
@@ -52,12 +58,15 @@ from karula_jax.protocol.methods import (
     tagged,
 )
 from karula_jax.protocol.rates import (
+    RATE_MULTIPLES,
+    RateRules,
     default_rate_rules,
     default_rates,
     member_default_rates,
     smoothness_constants,
     smoothness_rates,
 )
+from karula_jax.protocol.report import comparison_values, write_comparison
 from karula_jax.protocol.study import (
     Draw,
     Study,
@@ -78,7 +87,9 @@ from karula_jax.protocol.t_grid import binding_t_grid
 
 __all__ = [
     "GRID_KINDS",
+    "RATE_MULTIPLES",
     "REGISTRY",
+    "STEP_KEYWORDS",
     "SUITE",
     "TAGS",
     "CVData",
@@ -86,6 +97,7 @@ __all__ = [
     "Draw",
     "Method",
     "MethodRow",
+    "RateRules",
     "Study",
     "StudyData",
     "StudyResult",
@@ -95,6 +107,7 @@ __all__ = [
     "cross_choice",
     "cluster_labels",
     "compare",
+    "comparison_values",
     "cross_validate",
     "cv_datasets",
     "default_rate_rules",
@@ -117,5 +130,6 @@ __all__ = [
     "study_data",
     "study_rows",
     "tagged",
+    "write_comparison",
     "write_study",
 ]

@@ -7,10 +7,16 @@ best validation score (:func:`karula_jax.evaluation.select_by_cv`) is chosen per
 the seed's result is the final fit at that point, scored on its test rows. A method
 without hyperparameters is trained on the final fits only.
 
-A method's runs draw a progress bar of rounds (updated ``PROGRESS_UPDATES`` times per
-run, one bar per entry of a static grid). Rounds whose projection stopped at its
-iteration cap are collected over all of a method's runs and reported once, after its
-last run: one :class:`~karula_jax.training.ProjectionNotConvergedWarning` per method, as
+A method's runs draw a step ``"<method>: compiling"`` and then a progress bar of rounds
+(updated ``PROGRESS_UPDATES`` times per run, one step and bar per entry of a static
+grid). Every outcome records the training loss of each round of the chosen point's runs
+and whether it flattened by the end (:func:`~karula_jax.evaluation.curves.round_loss_flattened`:
+the last tenth of the rounds' mean loss within 5% of the run's whole decrease, plus
+noise, of the tenth before it); :func:`compare` logs every method that did not, telling
+to raise ``num_rounds``: a method still training at the end is compared under-trained.
+Rounds whose projection stopped at its iteration cap are collected over all of a method's
+runs and reported once, after its last run: one
+:class:`~karula_jax.training.ProjectionNotConvergedWarning` per method, as
 :func:`~karula_jax.training.run` warns once per run.
 """
 
@@ -26,6 +32,7 @@ import jax
 import numpy as np
 
 from karula_jax import evaluation as ev
+from karula_jax.evaluation.curves import FLAT_TOL, FLAT_WINDOW, round_loss_flattened
 from karula_jax.protocol.datasets import CVData
 from karula_jax.protocol.methods import Method
 from karula_jax.training import (
@@ -35,6 +42,7 @@ from karula_jax.training import (
     run_many,
     vmap_algorithm,
 )
+from karula_jax.training.progress import compile_step
 
 __all__ = ["CVOutcome", "compare", "cross_validate"]
 
@@ -71,6 +79,14 @@ class CVOutcome(NamedTuple):
       plateau: whether the choice is an end of a one-axis grid where the CV score has
         stopped moving (:func:`karula_jax.evaluation.grid_plateau`), ``[S]`` bool; None
         as False.
+      train_loss: the training loss of every round (the participants' minibatch loss,
+        :class:`~karula_jax.algorithms.RoundInfo`) of the final fit at the chosen point,
+        ``[S, R]`` float64 (without final fits: the folds' mean at the chosen point).
+      flattened: whether ``train_loss`` flattened by the last round, ``[S]`` bool
+        (:func:`~karula_jax.evaluation.curves.round_loss_flattened` with its defaults:
+        the mean over the last tenth of the rounds within 5% of the whole decrease, plus
+        the rounds' noise, of the mean over the tenth before it); None with fewer than 3
+        rounds. A method that did not flatten is under-trained: raise ``num_rounds``.
     """
 
     metrics: dict[str, np.ndarray]
@@ -86,6 +102,8 @@ class CVOutcome(NamedTuple):
     rounds: np.ndarray
     params: Any = None
     plateau: np.ndarray | None = None
+    train_loss: np.ndarray | None = None
+    flattened: np.ndarray | None = None
 
     @property
     def chosen_labels(self) -> list[str]:
@@ -180,14 +198,15 @@ def cross_validate(
     batch_kwargs = take(member_kwargs) if member_kwargs else None
     grid_axis = (lambda a: a) if method.grid else (lambda a: a[:, None])
     t0, parts, curves, finals, reports, unconverged = time.perf_counter(), [], [], [], [], []
+    losses = []
     for static in method.static_grid or [{}]:
         # the factory itself when there is no static point: the same object in every
         # call, so that run_many can reuse its compiled programs
         make = functools.partial(method.make, **static) if static else method.make
         point = ", ".join(f"{k}={v}" for k, v in static.items())
         label = " ".join(x for x in (desc, point) if x) or None
-        with warnings.catch_warnings():  # collected here, reported once below
-            warnings.simplefilter("ignore", ProjectionNotConvergedWarning)
+        with warnings.catch_warnings(), compile_step(label, enabled=options["progress"]):
+            warnings.simplefilter("ignore", ProjectionNotConvergedWarning)  # reported below
             res = run_many(
                 make,
                 per_member(params) if params_per_seed else params,
@@ -210,6 +229,7 @@ def cross_validate(
         # tenfold (a step beyond the stable range can stay finite while it diverges)
         m["finite"] = np.asarray(res.info.finite).all(axis=0) & ~ev.diverged(res.info.loss)
         parts.append({k: grid_axis(v) for k, v in m.items()})  # [members, G, ...]
+        losses.append(grid_axis(np.moveaxis(np.asarray(res.info.loss, np.float64), 0, -1)))
         if final_fits:
             curves.append({k: _final_curves(v, final, method.grid) for k, v in res.metrics.items()})
         if final_params:  # [S, G, n, ...]
@@ -222,6 +242,7 @@ def cross_validate(
     if warn_unconverged and any(unconverged):
         _warn_capped(desc, reports)
     pick = lambda a: a[np.arange(S), chosen]  # [S, G, ...] -> the chosen point's [S, ...]
+    train_loss = pick(_fit_losses(losses, S, K, final_fits))  # [S, R]
     return CVOutcome(
         metrics={k: pick(v) for k, v in grid_metrics.items()},
         grid_metrics=grid_metrics,
@@ -236,7 +257,17 @@ def cross_validate(
         rounds=np.asarray(res.metric_rounds),
         params=jax.tree.map(lambda *a: pick(np.concatenate(a, 1)), *finals) if finals else None,
         plateau=plateau,
+        train_loss=train_loss,
+        flattened=round_loss_flattened(train_loss) if train_loss.shape[-1] >= 3 else None,
     )
+
+
+def _fit_losses(losses, S: int, K: int, final_fits: bool) -> np.ndarray:
+    """The final fits' per-round losses ``[S, G, R]`` from the runs' ``[members, G, R]``
+    per static entry (without final fits: the folds' mean)."""
+    a = np.concatenate(losses, axis=1)
+    a = a.reshape((S, -1) + a.shape[1:])  # [S, F, G, R]
+    return a[:, -1] if final_fits else a[:, :K].mean(1)
 
 
 def _next_to_diverged(method: Method, out: CVOutcome) -> np.ndarray:
@@ -356,10 +387,18 @@ def compare(
 ) -> dict[str, CVOutcome]:
     """Cross-validates every method in turn (:func:`cross_validate`).
 
-    Each method's runs draw a progress bar of rounds labelled ``"[i/m] name"`` (pass
-    ``progress=False`` for none); a method whose projection stopped at its iteration cap
-    gets one :class:`~karula_jax.training.ProjectionNotConvergedWarning` after its runs
-    (unless ``warn_unconverged=False``), and its log line reports the worst gap.
+    Each method's runs draw a step ``"[i/m] name: compiling"`` and a progress bar of
+    rounds labelled ``"[i/m] name"`` (pass ``progress=False`` for none); a method whose
+    projection stopped at its iteration cap gets one
+    :class:`~karula_jax.training.ProjectionNotConvergedWarning` after its runs (unless
+    ``warn_unconverged=False``), and its log line reports the worst gap. A method whose
+    training loss did not flatten by the last round in some seed
+    (:attr:`CVOutcome.flattened`) gets a log line naming it and saying to raise
+    ``num_rounds``; one whose CV choice is an edge of its grid, a line saying to widen it.
+
+    Built by :func:`~karula_jax.protocol.build_methods` with
+    :func:`~karula_jax.protocol.default_rate_rules`, every method's step is chosen by CV
+    among multiples of its rule (``rate x1/3 ... x10``), jointly with its own grid.
 
     Args:
       methods: ``{name: Method}``, run in this order.
@@ -418,6 +457,13 @@ def compare(
             log(f"    {out.diagnostics}")
         chosen = f"  chosen {out.chosen_labels}" if methods[name].tuned else ""
         log(f"{name:7s} {out.seconds:6.1f} s  {describe(out)}{chosen}")
+        if out.flattened is not None and not out.flattened.all():
+            log(
+                f"    {name}: training loss still falling at round {_rounds(out)} in "
+                f"{int((~out.flattened).sum())} of {out.flattened.size} seeds (the last "
+                f"{FLAT_WINDOW:.0%} of rounds moved it more than {FLAT_TOL:.0%} of its "
+                f"decrease): raise num_rounds"
+            )
         unstable = _next_to_diverged(methods[name], out)
         if unstable.any():
             log(
@@ -431,3 +477,8 @@ def compare(
                 f" of {out.edge.size} seeds (not a natural limit): widen the grid"
             )
     return outcomes
+
+
+def _rounds(outcome: CVOutcome) -> int:
+    """The rounds of an outcome's runs."""
+    return int(outcome.train_loss.shape[-1]) if outcome.train_loss is not None else 0

@@ -22,18 +22,21 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax._checks import check_positive_int
 from karula_jax.algorithms.base import Algorithm, LossFn
+from karula_jax.protocol.rates import check_multiples
 
 __all__ = [
     "GRID_KINDS",
     "REGISTRY",
     "SUITE",
     "PERSONAL",
+    "STEP_KEYWORDS",
     "TAGS",
     "Method",
     "MethodRow",
@@ -174,6 +177,10 @@ def cross_choice(
 
 
 GRID_KINDS = ("traced", "static", "choice")
+# The factory keywords that are step sizes: with rate multiples (build_methods), CV
+# chooses each as its rule times a multiple; the choice's keyword in a Method's grid.
+STEP_KEYWORDS = ("learning_rate", "personal_learning_rate")
+RATE_CHOICE = "rate"
 TAGS = ("paper", "baseline", "uses-D", "variant")
 PERSONAL = ("no", "optional", "required")
 
@@ -247,22 +254,36 @@ class MethodRow(NamedTuple):
         *,
         grid: Any = None,
         options: Mapping[str, Any] | None = None,
+        rate_multiples: Sequence[float] = (),
         **settings,
     ) -> Method:
         """The :class:`Method` of this row in a study.
 
         Args:
           loss: the study's loss.
-          rates: the study's rate rules (must hold every rule of ``self.rates``).
+          rates: the study's rate rules (must hold every rule of ``self.rates`` whose
+            keyword ``options`` does not fix).
           grid: the study's grid of ``hyper`` (default ``self.grid``): a tuple or list is
             chosen by CV, a single value is fixed.
-          options: further factory keywords of this study (override ``settings``).
-          **settings: the study-wide settings; those in ``self.settings`` are passed.
+          options: further factory keywords of this study (override ``settings``, and a
+            rate rule of the same keyword: a fixed step).
+          rate_multiples: if given (increasing), every step keyword
+            (:data:`STEP_KEYWORDS`) the row's rules set is its rule times a multiple that
+            CV chooses, crossed with the grid of ``hyper`` (:func:`cross_choice`, choice
+            ``"rate"``; either end is a grid edge); ``()``: the rules' steps as they are.
 
         Raises:
           ValueError: a rule is missing from ``rates``; an unknown ``kind``; ``hyper``
             without a grid here or in the row.
         """
+        fixed = {k: settings[k] for k in self.settings if k in settings} | dict(options or {})
+        # a keyword the options fix (e.g. a step) is not taken from its rule
+        row = self._replace(rates={k: r for k, r in self.rates.items() if k not in fixed})
+        return row._method(loss, rates, grid, fixed, tuple(rate_multiples))
+
+    def _method(self, loss, rates, grid, fixed, rate_multiples) -> Method:
+        """:meth:`method` once the fixed keywords are known (``self.rates``: the rules
+        that still apply)."""
         missing = sorted(set(self.rates.values()) - set(rates))
         if missing:
             raise ValueError(
@@ -270,10 +291,15 @@ class MethodRow(NamedTuple):
             )
         if self.kind not in GRID_KINDS:
             raise ValueError(f"{self.name}: kind must be one of {GRID_KINDS}, got {self.kind!r}")
-        fixed = {k: settings[k] for k in self.settings if k in settings} | dict(options or {})
-        make = functools.partial(_build, self, loss, rates, fixed)
+        stepped = [k for k in self.rates if k in STEP_KEYWORDS]
+        multiples = rate_multiples if stepped else ()
+        make = functools.partial(_build, self, loss, rates, fixed, multiples)
         grid = self.grid if grid is None else grid
-        return self._grid(make, grid)._replace(projects=self.projects)
+        method = self._grid(make, grid)._replace(projects=self.projects)
+        if not multiples:
+            return method
+        labels = [f"rate x{m:.3g}" for m in multiples]
+        return cross_choice(method, RATE_CHOICE, labels)
 
     def _grid(self, make, grid) -> Method:
         """The :class:`Method` of ``make`` over the study's ``grid`` of ``hyper``."""
@@ -309,16 +335,22 @@ def _text(value) -> str:
     return str(value) if isinstance(value, int | np.integer) else f"{value:.3g}"
 
 
-def _build(row: MethodRow, loss, rates, fixed, /, **given) -> Algorithm:
+def _build(row: MethodRow, loss, rates, fixed, multiples, /, **given) -> Algorithm:
     """``row``'s algorithm for one member and grid point; ``given`` holds the member
-    arguments and the point (traced or static), under any names (``rates`` included)."""
+    arguments and the point (traced or static), under any names (``rates`` included).
+    With ``multiples``, ``given[RATE_CHOICE]`` indexes the multiple of every step
+    keyword's rule (the rules do not see it)."""
     kw = dict(fixed)
     if row.hyper is not None:
         kw[row.hyper] = given[row.hyper]
     if row.bound in given:  # a tuned grid's largest value (MethodRow.bound)
         kw[row.bound] = given[row.bound]
     kw |= {key: given[name] for key, name in row.members.items() if name in given}
+    choice = given.pop(RATE_CHOICE, None) if multiples else None
     kw |= {key: rates[rule](**given) for key, rule in row.rates.items()}
+    if multiples:
+        factor = jnp.asarray(multiples, jnp.float32)[choice]
+        kw |= {key: kw[key] * factor for key in row.rates if key in STEP_KEYWORDS}
     return row.factory(loss, **kw)
 
 
@@ -504,6 +536,7 @@ def build_methods(
     registry: Mapping[str, MethodRow] | None = None,
     num_clients: int | None = None,
     personalized: Any = None,
+    rate_multiples: Sequence[float] | None = None,
     **settings,
 ) -> dict[str, Method]:
     """The :class:`Method` of every method in ``names``, from its registry row.
@@ -532,6 +565,16 @@ def build_methods(
         wins): True, False or a pytree of bools like the model (e.g.
         :func:`karula_jax.models.output_layer_mask`). None: each factory's default, and
         a method that requires it (FedPer) is refused here, before anything runs.
+      rate_multiples: the multiples of each method's rate rule that CV chooses its steps
+        among, jointly with its own hyperparameter (every method whose ``learning_rate``
+        or ``personal_learning_rate`` comes from a rule; choice ``"rate"``, labels
+        ``"rate x3"``; a choice at either end is a grid edge). None (default): the
+        multiples ``rates`` carries: ``default_rate_rules()`` carries
+        :data:`~karula_jax.protocol.RATE_MULTIPLES` (``1/3, 1, 3, 10``), so the documented
+        path is tuned by default; a plain mapping of rules (the studies' own rates)
+        carries none. ``()``: the rules' steps as they are (no rate CV). A step fixed in
+        a method's ``options`` (``{"FedAvg": {"learning_rate": 0.1}}``) is neither taken
+        from its rule nor crossed.
       **settings: study-wide factory keywords (``clients_per_round``, ``batch_size``,
         ``local_steps``); each method takes those its row lists.
 
@@ -540,7 +583,8 @@ def build_methods(
 
     Raises:
       ValueError: a name is not registered or given twice; a row's rate rule is missing
-        from ``rates``; ``num_clients < 1``; an empty grid; a method requires
+        from ``rates``; ``num_clients < 1``; an empty grid; ``rate_multiples`` not
+        positive and increasing; a method requires
         ``personalized`` and neither it nor the method's options give it.
       TypeError: ``names`` is a string; ``num_clients`` is not an int; a setting that no
         registered row takes (a misspelt ``local_steps`` was dropped silently).
@@ -564,8 +608,17 @@ def build_methods(
     if num_clients is not None:
         n = check_positive_int("num_clients", num_clients)
         rows |= {name: _up_to_clients(row, n) for name, row in rows.items() if row.groups}
+    multiples = getattr(rates, "multiples", ()) if rate_multiples is None else rate_multiples
+    multiples = check_multiples(multiples)
     return {
-        name: row.method(loss, rates, grid=grids.get(name), options=options.get(name), **settings)
+        name: row.method(
+            loss,
+            rates,
+            grid=grids.get(name),
+            options=options.get(name),
+            rate_multiples=multiples,
+            **settings,
+        )
         for name, row in rows.items()
     }
 

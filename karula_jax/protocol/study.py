@@ -12,8 +12,9 @@ rest, in steps a study may also call one by one:
 2. :func:`~karula_jax.protocol.compare` cross-validates every method and scores the
    final fits at the chosen points (a method without a grid: the final fits alone;
    :func:`fix_choices` fixes the points chosen on another draw).
-3. :func:`study_rows` turns per-seed values into table rows (mean ± 2 SE, the paired
-   difference with the reference method, the CV choices); :func:`write_study` writes
+3. :func:`study_rows` turns per-seed values into table rows (mean ± 95% t-interval, the
+   paired difference with the reference method, its p-value and Holm's adjusted p-value,
+   decided below 0.05, the CV choices); :func:`write_study` writes
    the table (Markdown and CSV), the JSON summary and the figures, and logs the table.
 
 :func:`run_study` runs the three steps on a :class:`Study`; :func:`logistic_study` is a
@@ -222,8 +223,11 @@ def study_rows(
     choice: str = "cv_choice",
     choices: Mapping[str, str] | None = None,
     untuned: str = "",
+    test_train_ratio: float = 0.0,
 ) -> list[dict]:
-    """Table rows from per-seed values (:func:`karula_jax.reporting.comparison_rows`).
+    """Table rows from per-seed values (:func:`karula_jax.reporting.comparison_rows`):
+    means ± 95% t half-widths, the paired difference with ``reference``, its p-value,
+    Holm's adjusted p-value over the table's methods and the verdict (decided below 0.05).
 
     Args:
       values: ``{method: {column: [S] values}}``, every method with the same columns.
@@ -233,13 +237,18 @@ def study_rows(
       choice: the key of the CV choice per method (how often each point was chosen,
         ``untuned`` for a method without a grid), or ``choices[method]`` when given.
       choices, untuned: see ``choice``.
+      test_train_ratio: ``n_test / n_train`` for seeds that are overlapping splits of one
+        pool (the corrected variance), 0 for independent seeds.
 
     Returns:
-      Rows with ``method``, the columns (mean and ``_2se``), the paired columns, the
+      Rows with ``method``, the columns (mean and ``_2se``, the half-width), the paired
+      columns (:func:`karula_jax.reporting.verdict_columns` name their headers), the
       choice, ``runtime_s`` (the outcome's wall clock) and ``finite`` (every seed's final
       fit stayed finite).
     """
-    rows = reporting.comparison_rows(values, reference=reference, paired=paired)
+    rows = reporting.comparison_rows(
+        values, reference=reference, paired=paired, test_train_ratio=test_train_ratio
+    )
     for row in rows:
         o = outcomes[row["method"]]
         shown = reporting.choice_counts(o.chosen_labels) or untuned
@@ -359,6 +368,10 @@ class Study(NamedTuple):
         runtime ("" for none).
       reference: the method the paired differences are taken against (its name in lower
         case then ``_minus`` names the paired columns, ``karula_minus`` by default).
+      test_train_ratio: ``n_test / n_train`` where the seeds are overlapping random splits
+        of one pool (Nadeau and Bengio's corrected variance in every interval and test,
+        :func:`karula_jax.stats.t_interval`), or ``test_train_ratio(data) -> ratio``; 0 for
+        independent seeds.
     """
 
     title: str
@@ -391,6 +404,7 @@ class Study(NamedTuple):
     table: str = "table"
     command: str = ""
     reference: str = "Karula"
+    test_train_ratio: float | Callable[[StudyData], float] = 0.0
 
 
 def study_data(
@@ -507,8 +521,15 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         methods, labels, tuning = _tune(study, methods, log)
     outcomes, more = _compare(study, methods, data, log)
     values = {name: study.values(name, o, data) for name, o in outcomes.items()}
+    ratio = study.test_train_ratio
+    ratio = float(ratio(data) if callable(ratio) else ratio)
     rows = study_rows(
-        values, outcomes, paired=study.paired, reference=study.reference, choices=labels
+        values,
+        outcomes,
+        paired=study.paired,
+        reference=study.reference,
+        choices=labels,
+        test_train_ratio=ratio,
     )
     seconds = time.perf_counter() - t0
     result = StudyResult(data, methods, outcomes, [], seconds, {}, more, tuning, values)
@@ -532,6 +553,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         "chosen": labels or {m: o.chosen_labels for m, o in outcomes.items()},
         "cv_score": {m: o.cv_score for m, o in outcomes.items() if o.cv_score is not None},
         "per_seed": values,
+        "test_train_ratio": ratio,
         **({"tuning": tuning} if tuning else {}),
         "embedding_converged": bool(data.converged.all()),
         "projection": projection,
@@ -637,14 +659,15 @@ def logistic_study(
         v["test_logloss"] = o.metrics["nll"].mean(axis=1)
         return v | {f"acc_{c}": acc[:, j] for j, c in enumerate(client_names)}
 
-    columns = [("method", "method"), ("test_acc", f"mean per-{client} test acc.")]
+    b = reporting.banded
+    columns = [("method", "method"), ("test_acc", b(f"mean per-{client} test acc."))]
     columns += [
-        ("pooled_acc", "pooled test acc."),
-        ("karula_minus", "Karula minus method (paired)"),
+        ("pooled_acc", b("pooled test acc.")),
+        ("karula_minus", b("Karula minus method (paired)")),
     ]
-    columns += [("karula_minus_decided", "decided (> 2 SE)")]
-    columns += [("test_logloss", f"mean per-{client} test log-loss")]
-    columns += [(f"acc_{c}", c) for c in client_names]
+    columns += reporting.verdict_columns("karula_minus")
+    columns += [("test_logloss", b(f"mean per-{client} test log-loss"))]
+    columns += [(f"acc_{c}", b(c)) for c in client_names]
     columns += [("cv_choice", "CV choice"), ("runtime_s", "runtime (s)")]
     describe = lambda o: f"mean per-{client} test accuracy {o.metrics['acc'].mean():.3f}"
     smoothness = lambda data: dict(

@@ -3,20 +3,26 @@
 :func:`~karula_jax.training.run` and :func:`~karula_jax.training.run_many` draw one bar of
 rounds (updated after every compiled chunk, with the last round's loss and the latest
 metrics); :func:`progress_bar` is the same kind of bar for anything else an experiment
-loops over (embedding one data set after another, CV folds, methods).
+loops over (embedding one data set after another, CV folds, methods). :func:`compile_step`
+shows a run's compilation as a step of its own ("<desc>: compiling"), from before the run
+starts until its bar of rounds opens, which happens once its programs are compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 from tqdm import tqdm
 
 from karula_jax.algorithms.base import RoundInfo
 
-__all__ = ["progress_bar"]
+__all__ = ["compile_step", "progress_bar"]
+
+# compile_step's open bars, closed by the next RoundBar (or at the end of their block)
+_COMPILING: list[tqdm] = []
 
 
 def progress_bar(
@@ -75,10 +81,47 @@ def progress_bar(
     )
 
 
+@contextlib.contextmanager
+def compile_step(desc: str | None = None, *, enabled: bool = True) -> Iterator[tqdm]:
+    """A one-step bar ``"<desc>: compiling"`` while the runs inside the block compile.
+
+    The step completes when the next run's bar of rounds opens (a run opens it once its
+    programs are compiled: the step's time is the compilation, with the run's set-up) or
+    when the block ends, whichever comes first; a run whose programs were compiled by an
+    earlier call completes it at once.
+
+    Args:
+      desc: what is compiled (a method's label), or None.
+      enabled: ``False``: a silent step (as :func:`progress_bar`).
+
+    Example::
+
+        with compile_step("[1/3] Karula", enabled=progress):
+            result = training.run_many(...)  # its bar of rounds follows the step
+    """
+    label = f"{desc}: compiling" if desc else "compiling"
+    bar = progress_bar(1, desc=label, unit="step", enabled=enabled)
+    _COMPILING.append(bar)
+    try:
+        yield bar
+    finally:
+        _finish_compiling()
+
+
+def _finish_compiling() -> None:
+    """Completes and closes every open :func:`compile_step` bar."""
+    while _COMPILING:
+        bar = _COMPILING.pop()
+        bar.update(1)
+        bar.close()
+
+
 class RoundBar:
-    """The bar of a run: rounds done, updated after every chunk (private)."""
+    """The bar of a run: rounds done, updated after every chunk (private). Opening it
+    completes the :func:`compile_step` before it: the run's programs are compiled."""
 
     def __init__(self, total: int, initial: int, enabled: bool, desc: str | None = None):
+        _finish_compiling()
         self.bar = progress_bar(total, desc=desc, unit="round", enabled=enabled, initial=initial)
 
     def update(self, step: int, values: Mapping[str, float]) -> None:

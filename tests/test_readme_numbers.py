@@ -1,0 +1,79 @@
+"""The numbers the README and the results pages cite are the committed tables' numbers.
+
+A result quoted as ``mean ± half-width`` in the README's results rows must appear in a
+table of the folder the row links; a table copied into a results page must have the rows
+of the table file with the same header. Text against text: no tolerance.
+"""
+
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PM = re.compile(r"-?\d+\.\d+ ± \d+\.\d+")
+
+
+def _tables(folder: pathlib.Path) -> dict[pathlib.Path, list[str]]:
+    """Every table file of a results folder: its lines that are table rows."""
+    out = {}
+    for path in sorted(folder.glob("*.md")):
+        if path.name != "README.md":
+            out[path] = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    return out
+
+
+def _blocks(lines: list[str]) -> list[list[str]]:
+    """Consecutive runs of table rows (``|`` lines)."""
+    blocks, current = [], []
+    for line in [*lines, ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            blocks.append(current)
+            current = []
+    return blocks
+
+
+def _result_rows() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| ") and "](" in line]
+
+
+def test_readme_result_numbers_are_in_the_linked_tables():
+    checked = 0
+    for row in _result_rows():
+        links = re.findall(r"\]\((results/[^)]+)\)", row)
+        assert links, row
+        folders = {(REPO / link).parent for link in links}
+        cells = [line for f in folders for rows in _tables(f).values() for line in rows]
+        for number in PM.findall(row):
+            assert any(number in cell for cell in cells), (number, sorted(map(str, folders)))
+            checked += 1
+    assert checked >= 3  # the synthetic, FEMNIST and heart-disease rows each quote one
+
+
+def test_tables_copied_into_results_pages_equal_the_table_files():
+    matched = 0
+    for page in sorted((REPO / "results").glob("*/README.md")):
+        tables = _tables(page.parent)
+        for block in _blocks(page.read_text().splitlines()):
+            sources = [rows for rows in tables.values() if rows[:2] == block[:2]]
+            if not sources:  # a table written for the page (e.g. collected from several)
+                continue
+            assert any(set(block[2:]) <= set(rows[2:]) for rows in sources), (page, block[0])
+            matched += 1
+    assert matched >= 6  # synthetic, diagnostics, sensitivity, heart disease, FEMNIST x3
+
+
+def test_hand_collected_femnist_table_quotes_the_fixed_rate_tables():
+    # the page's table of four fixed-rate runs: each column's numbers are its table's
+    page = (REPO / "results/femnist/README.md").read_text().splitlines()
+    block = next(b for b in _blocks(page) if "paper rates, LEAF inputs" in b[0])
+    files = ["table", "table_invert_paper", "table_invert_x10", "table_invert_default"]
+    tables = [(REPO / f"results/femnist/{f}.md").read_text() for f in files]
+    for row in block[2:]:
+        cells = [c.strip() for c in row.strip()[1:-1].split(" | ")]
+        method = cells[0].split(" (")[0]
+        for cell, table in zip(cells[2:6], tables, strict=True):
+            (number,) = re.findall(r"\d+\.\d ± \d+\.\d", cell)
+            assert f"| {method} | {number} |" in table, (method, number)
