@@ -140,8 +140,81 @@ _SLOW_MODULES = {
 }
 
 
+# The heaviest unit tests, by module and function (every parametrization): the 45
+# functions with the longest summed durations in a `pytest -m "not slow" --durations`
+# run, 58% of that tier's test time. The fast tier keeps at least one test of every
+# module but the doctests (one parametrized function); tests/test_tiers.py checks that.
+SLOW_TESTS: dict[str, tuple[str, ...]] = {
+    "test_alg_common.py": ("test_memory_is_updated_in_place",),
+    "test_alg_graph.py": ("test_laplacian_penalty_limits_equal_karula",),
+    "test_alg_karula.py": (
+        "test_odd_and_even_n_reach_cvxpy_optimum_with_partial_participation",
+        "test_shared_leaves_reach_consensus_cvxpy",
+        "test_t_inf_is_local_training",
+        "test_t_zero_is_saga_on_one_model_numpy",
+        "test_traced_t_grid_vmapped_and_compiled_once",
+    ),
+    "test_alg_personalization.py": (
+        "test_fedprox_mu_zero_is_fedavg_bit_for_bit",
+        "test_scaffold_first_round_is_fedavg_and_personalized_leaves_have_no_control",
+        "test_traced_hyperparameters_compile_once_and_batch",
+    ),
+    "test_divergence.py": ("test_penalty_own_rule_stable_at_mu_zero_where_karulas_step_diverges",),
+    "test_doctests.py": ("test_examples_print_what_they_show",),
+    "test_embedding.py": (
+        "test_batched_solve_matches_vmap",
+        "test_padding_changes_nothing",
+        "test_traced_epsilon_or_data_that_the_eager_checks_refuse_give_nan_not_a_plausible_d",
+    ),
+    "test_linalg.py": ("test_inv_spd_dominant_matches_numpy_unbatched_batched_and_nested_vmap",),
+    "test_multinomial.py": (
+        "test_karula_trains_it_from_its_own_smoothness",
+        "test_smoothness_bounds_the_hessian_and_is_attained_at_two_equal_classes",
+    ),
+    "test_personalized_argument.py": ("test_default_keeps_the_old_numbers_and_none_is_refused",),
+    "test_projection.py": (
+        "test_all_zero_radii_give_the_mean_exactly",
+        "test_compiles_once_and_runs_in_jit_scan_vmap",
+        "test_dtypes_integer_half_and_nan",
+        "test_feasible_input_is_returned_as_is",
+        "test_hard_cold_starts_converge_to_tight_tolerance",
+        "test_large_n_auto_matches_dykstra",
+        "test_multipliers_stay_symmetric_on_one_dimensional_hard_instances",
+        "test_newton_ascent_is_monotone_on_degenerate_duals",
+        "test_newton_step_is_symmetric_to_the_bit",
+        "test_p_larger_than_n_and_solvers_agree_float64",
+        "test_shrink_toward_the_mean_is_certified",
+        "test_vmapped_members_are_solved_as_if_alone",
+        "test_warm_started_training_run_matches_cold_solves",
+    ),
+    "test_projection_property.py": (
+        "test_every_solver_matches_cvxpy_float32",
+        "test_every_solver_matches_cvxpy_float64",
+        "test_reported_odd_n_instances",
+    ),
+    "test_protocol.py": (
+        "test_registry_builds_each_algorithm_with_its_rates_and_grid",
+        "test_variant_rows_fedper_and_karula_at_the_theorem_step",
+    ),
+    "test_readme.py": ("test_readme_commands_and_example",),
+    "test_step_size.py": (
+        "test_coupling_of_projected_optima_is_the_solutions_connectivity",
+        "test_default_is_stable_and_not_needlessly_small",
+        "test_default_never_diverges_on_a_small_mlp",
+    ),
+    "test_study.py": (
+        "test_a_new_data_set_is_a_config_and_a_draw_function",
+        "test_tuning_draws_choose_the_grid_and_the_seeds_train_final_fits",
+    ),
+    "test_theory.py": ("test_theorem_4_3_exact_gradients_every_k",),
+    "test_training_batched.py": ("test_real_karula_resume_and_t_grid",),
+    "test_training_checkpoint.py": ("test_checkpoint_survives_a_kill_mid_write_and_run_cleans_up",),
+}
+
+
 def pytest_collection_modifyitems(items):
-    """Marks every test of :data:`_SLOW_MODULES` ``slow``."""
+    """Marks ``slow`` every test of :data:`_SLOW_MODULES` and of :data:`SLOW_TESTS`."""
     for item in items:
-        if item.path.name in _SLOW_MODULES:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name in _SLOW_MODULES or name in SLOW_TESTS.get(item.path.name, ()):
             item.add_marker(pytest.mark.slow)
