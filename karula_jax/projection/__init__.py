@@ -63,7 +63,7 @@ one vector of dual state per pair); ``"laplacian"`` is a projected Newton-CG asc
 the ``n x n`` multipliers only (no per-pair vectors), for many clients; ``"fista"`` is an
 accelerated projected gradient ascent on the same multipliers whose iteration is a few
 ``n x n``-sized kernels with no inner loop, run in fixed-trip ``lax.scan`` blocks of 10
-with the certificate once a block (on the CPU slower than ``"laplacian"``: 6-12x its
+with the certificate once a block (on the CPU slower than ``"laplacian"``: 5-12x its
 iterations; results/bench/README.md). All return the same certified output. (A parallel
 Dykstra that averages per-pair copies of each client was dropped: on the same instances
 it needed 10 to 100 times more iterations and could not certify ``tol = 1e-10`` within
