@@ -890,7 +890,7 @@ def test_newton_step_is_symmetric_to_the_bit(n, p):
     allows 1e-6, and skips traced input) become the smaller of the two, and every pair
     array of a Newton step is then symmetric to the bit: a step that is not can fix one
     side of a pair and not the other, and CG then solves another system."""
-    from karula_jax.projection import certificate, laplacian, reduction
+    from karula_jax.projection import certificate, laplacian, pair_algebra, reduction
 
     v, radii_sq = _instance(n + p, n, p, "uneven")
     radii_sq = radii_sq.astype(np.float32)
@@ -912,7 +912,7 @@ def test_newton_step_is_symmetric_to_the_bit(n, p):
         np.testing.assert_array_equal(s, s.T)
         np.testing.assert_array_equal(s_diag, s_diag.T)
         x = jnp.asarray(np.where(np.asarray(mask), rng.normal(size=(n, n)), 0.0), jnp.float32)
-        hx = np.asarray(laplacian._hvp(ev, mask, x + x.T))
+        hx = np.asarray(pair_algebra.hvp(ev, mask, x + x.T))
         np.testing.assert_array_equal(hx, hx.T)
 
 
@@ -994,8 +994,8 @@ def test_newton_ascent_is_monotone_on_degenerate_duals():
 
 def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
     """With exact CG, the refined step fixes at 0 every free pair that the first step took
-    below 0, and on the pairs left free solves ``-H s + mu s = grad`` (``_hvp`` is ``-H``)."""
-    from karula_jax.projection import certificate, laplacian, reduction
+    below 0, and on the pairs left free solves ``-H s + mu s = grad`` (``hvp`` is ``-H``)."""
+    from karula_jax.projection import certificate, laplacian, pair_algebra, reduction
 
     monkeypatch.setattr(laplacian, "_CG_RTOL", 1e-13)
     v, radii_sq = _instance(3, 12, 4, "groups")
@@ -1017,7 +1017,7 @@ def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
         fixed = mask & (s == -lam)
         assert fixed[crossed].all()
         free = mask & ~fixed
-        residual = np.asarray(ev.grad) - np.asarray(laplacian._hvp(ev, mask, jnp.asarray(s)))
+        residual = np.asarray(ev.grad) - np.asarray(pair_algebra.hvp(ev, mask, jnp.asarray(s)))
         scale = np.abs(np.asarray(ev.grad)[mask]).max()
         # CG to 1e-13 of |grad| (patched); its recurrence drifts from the true residual by
         # the float64 rounding of its n^2-term products, compounded over its <= 500 steps

@@ -25,7 +25,7 @@ from karula_jax.projection.certificate import (
     should_stop,
 )
 from karula_jax.projection.contract import ProjectionState, SolverResult
-from karula_jax.projection.laplacian import _hvp, _low_rank, _pair_dot, _symmetric
+from karula_jax.projection.pair_algebra import hvp, low_rank, pair_dot, symmetric
 
 __all__ = ["solve"]
 
@@ -68,10 +68,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     """
     n, k = red.w.shape
     dtype = red.w.dtype
-    low_rank = _low_rank(n, k)
+    is_low_rank = low_rank(n, k)
     mask = dual_mask(red)
     eps = jnp.finfo(dtype).eps
-    lam0 = jnp.where(mask, jnp.maximum(_symmetric(warm.lam), 0.0), 0.0)
+    lam0 = jnp.where(mask, jnp.maximum(symmetric(warm.lam), 0.0), 0.0)
     evaluate = functools.partial(dual_eval, red=red, gram=True)
 
     def hdiag(ev):
@@ -87,28 +87,28 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
 
         def body(_, c):
             y, _ = c  # y: a vector in the scaled coordinates, unit norm
-            hy = scale * _hvp(ev, mask, scale * y)  # h^-1/2 H h^-1/2 y (H here: -Hessian)
-            hy = jnp.where(free, _symmetric(hy), 0.0)
-            rho = _pair_dot(y, hy)
-            norm = jnp.sqrt(_pair_dot(hy, hy))
+            hy = scale * hvp(ev, mask, scale * y)  # h^-1/2 H h^-1/2 y (H here: -Hessian)
+            hy = jnp.where(free, symmetric(hy), 0.0)
+            rho = pair_dot(y, hy)
+            norm = jnp.sqrt(pair_dot(hy, hy))
             return jnp.where(norm > 0, hy / jnp.where(norm > 0, norm, 1.0), y), rho
 
         y0 = jnp.where(free, 1.0, 0.0)
-        y0 = y0 / jnp.sqrt(jnp.maximum(_pair_dot(y0, y0), 1.0))
+        y0 = y0 / jnp.sqrt(jnp.maximum(pair_dot(y0, y0), 1.0))
         _, rho = jax.lax.fori_loop(0, _POWER, body, (y0, jnp.zeros((), dtype)))
         return _SAFETY * jnp.maximum(rho, 1.0)
 
     def iteration(c, live):
         lam, lam_prev, t, lip, last = c
         beta = 2.0 * (t - 1.0) / (1.0 + jnp.sqrt(1.0 + 4.0 * t * t))  # (t_k - 1) / t_{k+1}
-        y = _symmetric(jnp.where(mask, jnp.maximum(lam + beta * (lam - lam_prev), 0.0), 0.0))
+        y = symmetric(jnp.where(mask, jnp.maximum(lam + beta * (lam - lam_prev), 0.0), 0.0))
         ev = evaluate(y)
-        new = _symmetric(jnp.where(mask, jnp.maximum(y + ev.grad / (lip * hdiag(ev)), 0.0), 0.0))
+        new = symmetric(jnp.where(mask, jnp.maximum(y + ev.grad / (lip * hdiag(ev)), 0.0), 0.0))
         # Restarts: g fell below the last evaluation by more than its float resolution
         # (then go on from the last iterate, whose step from the previous y ascends), or
         # the gradient mapping points against the last move (O'Donoghue and Candes).
         falls = ev.g < last[1].g - 64.0 * eps * jnp.abs(last[1].g)
-        against = _pair_dot(new - y, new - lam) < 0
+        against = pair_dot(new - y, new - lam) < 0
         restart = falls | against
         t_next = jnp.where(restart, 1.0, 0.5 * (1.0 + jnp.sqrt(1.0 + 4.0 * t * t)))
         lam_next = jnp.where(falls, lam, new)
@@ -125,7 +125,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         differences up to 96 clients), the shrink from explicit differences (so that its
         margin covers the rounding), repaired first where the span is small."""
         ev = certified(lam, ev, red, exact=n <= 96)
-        if not low_rank:
+        if not is_low_rank:
             return restore_and_certify(ev.th, ev.g, red)
         lagrangian_gap = primal_value(ev.th, red) - ev.g
         sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)

@@ -16,6 +16,7 @@ from karula_jax.projection.certificate import (
     should_stop,
 )
 from karula_jax.projection.contract import ProjectionState, SolverResult
+from karula_jax.projection.pair_algebra import hvp, low_rank, pair_dot, symmetric
 
 __all__ = ["solve"]
 
@@ -70,20 +71,20 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     gradient its fallback. ``warm.lam`` starts it (symmetrized, clipped at 0); the
     returned state has no per-pair part (``pair_dual`` ``[0, k]``).
     """
-    low_rank = _low_rank(*red.w.shape)
+    is_low_rank = low_rank(*red.w.shape)
     gram = red.w.shape[0] > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
     mask = dual_mask(red)
-    lam0 = jnp.where(mask, jnp.maximum(_symmetric(warm.lam), 0.0), 0.0)
+    lam0 = jnp.where(mask, jnp.maximum(symmetric(warm.lam), 0.0), 0.0)
 
     def certify(ev, gram):
         """(feasible theta, certified gap) at an evaluation. The shrink of theta(lam)
         pays for the worst violated pair on every pair; where the Lagrangian part of the
         gap, ``primal(theta(lam)) - g(lam)``, is already within ``tol``, violated pairs
         are first pulled together (``_SWEEPS`` sweeps; at n = 100 half the iterations of a
-        warm start). Only where the models span few dimensions (``_low_rank``): a sweep
+        warm start). Only where the models span few dimensions (``low_rank``): a sweep
         costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README)."""
-        if not low_rank:
+        if not is_low_rank:
             return restore_and_certify(ev.th, ev.g, red, gram=gram)
         lagrangian_gap = primal_value(ev.th, red) - ev.g
         sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
@@ -97,9 +98,9 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
         kkt, res = _kkt(red, mask, lam, ev), 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
 
         def trial(alpha, step):
-            new = _symmetric(jnp.maximum(lam + alpha * step, 0.0))
+            new = symmetric(jnp.maximum(lam + alpha * step, 0.0))
             ev_new = evaluate(new)
-            gain = _pair_dot(ev.grad, new - lam)
+            gain = pair_dot(ev.grad, new - lam)
             ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
             # Below g's float resolution a step keeping g within it is accepted on a
             # smaller KKT residual (not one losing more: degenerate duals stalled).
@@ -178,13 +179,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
 
 
-def _low_rank(n, k):
-    """Whether ``n`` models in ``k`` coordinates span few enough dimensions (``3k < 2n``)
-    that ``[n, k]`` products beat ``[n, n]`` ones: the Hessian-vector product goes
-    through the factors and certificates pull violated pairs together first."""
-    return 3 * k < 2 * n
-
-
 def _kkt(red, mask, lam, ev):
     """The relative KKT residual at ``lam``: the largest ``|d^2 - r^2| / r^2`` over pairs
     with a positive multiplier and ``(d^2 - r^2) / r^2`` over pairs at 0 (``ev.grad`` is
@@ -203,40 +197,6 @@ def _next_damping(damping, trials, ok):
     grown = jnp.clip(_DAMP_UP * damping, _DAMP_MIN, _DAMP_MAX)
     shrunk = jnp.where(_DAMP_DOWN * damping < _DAMP_MIN, 0.0, _DAMP_DOWN * damping)
     return jnp.where(up, grown, jnp.where(trials == 1, shrunk, damping))
-
-
-def _symmetric(a):
-    """``(a + a^T) / 2``, symmetric to the bit. Steps and trial points are symmetric by
-    construction, but XLA may round ``(i, j)`` and ``(j, i)`` differently (fused
-    multiply-adds in vector lanes and not in a loop's tail), and CG amplifies that where
-    the Hessian is singular (p = 1): a lopsided step fixed one side of a pair only, and
-    projections stalled short of tol (results/bench/README.md, robustness)."""
-    return 0.5 * (a + a.T)
-
-
-def _pair_dot(a, b):
-    """Inner product over the pairs ``i < j`` of two symmetric ``[n, n]`` arrays."""
-    return 0.5 * jnp.sum(a * b)
-
-
-def _hvp(ev, mask, x):
-    """``-H x`` for the dual Hessian ``H`` at ``ev``, ``x`` [n, n] symmetric over pairs.
-
-    ``(B^T A^-1 B o (B^T th)(B^T th)^T) x`` is the pair differences of ``U th^T`` with
-    ``U = A^-1 L_x th`` ([n, k]): ``<U_i - U_j, th_i - th_j>``. Three ``[n, n] x [n, k]``
-    products when :func:`_low_rank` (cheaper there: ``docs/implementation_notes.md``), else
-    two ``[n, n]`` products through the Gram matrix.
-    """
-    if _low_rank(*ev.th.shape):
-        u = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.th - x @ ev.th)
-        yt = u @ ev.th.T
-        dg = jnp.sum(u * ev.th, axis=1)
-    else:
-        yt = ev.a_inv @ (jnp.sum(x, axis=1)[:, None] * ev.gram - x @ ev.gram)
-        dg = jnp.diag(yt)
-    # (yt + yt^T) and dg_i + dg_j are symmetric to the bit, so is the product (CG's
-    # updates may still round apart: ``_symmetric``)
-    return jnp.where(mask, dg[:, None] + dg[None, :] - (yt + yt.T), 0.0)
 
 
 def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
@@ -267,7 +227,7 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     """
     eps = jnp.finfo(red.w.dtype).eps
     a_inv = ev.a_inv
-    grad = _symmetric(ev.grad)  # a Gram product may round (i, j) and (j, i) apart
+    grad = symmetric(ev.grad)  # a Gram product may round (i, j) and (j, i) apart
     da = jnp.diag(a_inv)
     d2 = 2.0 * grad + jnp.where(mask, red.radius, 0.0) ** 2  # ||theta_i-theta_j||^2
     hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * a_inv) * d2, 0.0)
@@ -290,12 +250,12 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     def solve(free, b, start=None, residual=None, stop=None):
         """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
         whose residual is ``residual``."""
-        op = lambda x: jnp.where(free, _hvp(ev, mask, x) + mu * x, 0.0)
+        op = lambda x: jnp.where(free, hvp(ev, mask, x) + mu * x, 0.0)
         x = _pcg(
             op,
             b,
             jnp.where(free, pre, 1.0),
-            _pair_dot,
+            pair_dot,
             rtol=_CG_RTOL,
             max_iter=cg_iter,
             running=running,
@@ -303,7 +263,7 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
             residual=residual,
             stop=stop,
         )
-        return _symmetric(x)
+        return symmetric(x)
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
@@ -315,7 +275,7 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     # residual, ``_CG_RTOL |grad_F|``.
     free = mask & ~active
     b = jnp.where(free, grad, 0.0)
-    stop = (_CG_RTOL**2) * _pair_dot(b, b)
+    stop = (_CG_RTOL**2) * pair_dot(b, b)
     s = solve(free, b, stop=stop)
 
     def refine(c):
@@ -324,7 +284,7 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
         active = active | cross
         free = mask & ~active
         s = jnp.where(cross, -lam, s)
-        r = jnp.where(free, grad - _hvp(ev, mask, s) - mu * s, 0.0)
+        r = jnp.where(free, grad - hvp(ev, mask, s) - mu * s, 0.0)
         s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop)
         return k + 1, active, jnp.where(free, s_free, s)
 
