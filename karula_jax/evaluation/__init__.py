@@ -38,7 +38,9 @@ from karula_jax.evaluation.cross_validation import (
     select_by_cv,
 )
 from karula_jax.evaluation.cross_validation import check_fold_ids as check_fold_ids
-from karula_jax.evaluation.curves import flattened, tail_start
+from karula_jax.evaluation.curves import FLAT_TOL as FLAT_TOL
+from karula_jax.evaluation.curves import FLAT_WINDOW as FLAT_WINDOW
+from karula_jax.evaluation.curves import flattened, round_loss_flattened, tail_start
 from karula_jax.evaluation.diagnostics import (
     active_fraction,
     pairwise_sq_distances,
@@ -54,8 +56,8 @@ from karula_jax.evaluation.metrics import (
 )
 from karula_jax.evaluation.references import exact_pairwise_w1, ridge_solutions
 
-# PLATEAU_RTOL, check_fold_ids and ApplyFn are re-exported ("x as x") but not in __all__:
-# importable from here as before the split, not part of what a user calls.
+# PLATEAU_RTOL, FLAT_TOL, FLAT_WINDOW, check_fold_ids and ApplyFn are re-exported ("x as
+# x") but not in __all__: importable from here, not part of what a user calls.
 __all__ = [
     "CVSelection",
     "accuracy",
@@ -74,6 +76,7 @@ __all__ = [
     "pairwise_sq_distances",
     "r2_score",
     "ridge_solutions",
+    "round_loss_flattened",
     "select_by_cv",
     "spearman_offdiag",
     "tail_start",
