@@ -512,6 +512,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
       The :class:`StudyResult`.
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
+    facts = provenance.run_provenance()  # the code that runs: read before it runs
     data = study_data(study, log=log)
     methods = dict(study.methods(data))
     log(f"every embedding converged: {bool(data.converged.all())}")
@@ -562,7 +563,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         "cpu_seconds": cpu,
         "devices": [str(d) for d in jax.devices()],
         "jax_version": jax.__version__,
-        "provenance": provenance.run_provenance(),
+        "provenance": facts,
     } | dict(study.summary(result) if study.summary else {})
     write_study(
         out,
