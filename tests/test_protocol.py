@@ -289,8 +289,8 @@ def test_cross_validate_matches_a_hand_made_selection():
     # 4e12, finite) on every member, so a choice beside it is on the edge of the stable
     # region. By hand: a point diverged where the mean loss of the last two rounds (a
     # tenth of 20) is over ten times the first two's on some member.
-    loss = np.asarray(res.info.loss).reshape(rounds, S, K + 1, 3)
-    grew = (loss[-2:].mean(0) > 10 * loss[:2].mean(0)).any(axis=1)  # [S, 3]
+    round_loss = np.asarray(res.info.loss).reshape(rounds, S, K + 1, 3)
+    grew = (round_loss[-2:].mean(0) > 10 * round_loss[:2].mean(0)).any(axis=1)  # [S, 3]
     assert grew[:, 2].all() and not grew[:, :2].any()
     beside = grew[np.arange(S), np.minimum(want + 1, 2)] & (want < 2)
     np.testing.assert_array_equal(out.edge, (want == 2) | beside)
