@@ -8,7 +8,7 @@ import pytest
 from _tolerances import EPS32
 
 from karula_jax.data import HeartDiseaseData, load_heart_disease
-from karula_jax.data.heart_disease import HOSPITALS, read_heart_disease_file
+from karula_jax.data.heart_disease import ENCODINGS, HOSPITALS, read_heart_disease_file
 
 EXPECTED_ROWS = {"cleveland": 303, "hungarian": 261, "switzerland": 46, "va": 130}
 
@@ -53,7 +53,7 @@ def _real(part, i):
 def test_split_sizes_and_label_balance(heart, heart_dir):
     assert isinstance(heart, HeartDiseaseData)
     assert heart.hospitals == list(HOSPITALS)
-    assert heart.train.x.shape[2] == 15 == len(heart.feature_names)
+    assert heart.train.x.shape[2] == 13 == len(heart.feature_names)  # FLamby's count
     assert heart.train.y.dtype == np.int32
     for i, h in enumerate(HOSPITALS):
         _, y_all = read_heart_disease_file(heart_dir / f"processed.{h}.data")
@@ -88,12 +88,14 @@ def test_standardization_fitted_on_pooled_training_rows(heart):
     atol = EPS32 * np.abs(x[:, ~onehot]).max()
     np.testing.assert_allclose(x[:, ~onehot].mean(axis=0), 0.0, atol=atol)
     np.testing.assert_allclose(x[:, ~onehot].std(axis=0), 1.0, atol=atol)
-    # One-hot columns stay indicators, exactly one level per categorical variable.
+    # Indicator columns stay indicators, at most one level per categorical variable (none
+    # for the reference level, the first).
     assert set(np.unique(x[:, onehot])) == {0.0, 1.0}
     for var, levels in (("cp", 4), ("restecg", 3)):
         cols = [j for j, n in enumerate(heart.feature_names) if n.startswith(var + "=")]
-        assert len(cols) == levels
-        np.testing.assert_array_equal(x[:, cols].sum(axis=1), 1.0)
+        assert len(cols) == levels - 1
+        assert x[:, cols].sum(axis=1).max() == 1.0
+        assert (x[:, cols].sum(axis=1) == 0).any()  # the reference level occurs
     # Test rows are not standardized by themselves (their own mean is not exactly 0).
     xt = np.asarray(heart.test.x)[np.asarray(heart.test.mask)]
     assert np.abs(xt[:, ~onehot].mean(axis=0)).max() > 1e-3  # 1e4 times the rounding above
@@ -163,11 +165,25 @@ def test_no_leakage_from_test_rows(heart, heart_dir, tmp_path):
 
 
 def test_options_and_seed(heart_dir, heart):
-    raw = load_heart_disease(heart_dir, one_hot_categorical=False)
+    raw = load_heart_disease(heart_dir, categorical="codes")
     assert raw.feature_names == [
         "age", "sex", "cp", "trestbps", "chol", "fbs", "restecg", "thalach", "exang", "oldpeak",
     ]  # fmt: skip
     np.testing.assert_array_equal(raw.train.counts, heart.train.counts)
+    full = load_heart_disease(heart_dir, categorical="one_hot")
+    assert len(full.feature_names) == ENCODINGS["one_hot"]
+    # the reference coding is the full one-hot coding without the first level's columns,
+    # and the first level's indicator is one minus the others'
+    keep = [full.feature_names.index(name) for name in heart.feature_names]
+    np.testing.assert_array_equal(np.asarray(full.train.x)[..., keep], np.asarray(heart.train.x))
+    mask = np.asarray(full.train.mask)
+    for var, first in (("cp", "cp=1"), ("restecg", "restecg=0")):
+        cols = [j for j, n in enumerate(full.feature_names) if n.startswith(var + "=")]
+        x = np.asarray(full.train.x)[mask]
+        j = full.feature_names.index(first)
+        np.testing.assert_array_equal(x[:, j], 1.0 - x[:, [c for c in cols if c != j]].sum(1))
+    with pytest.raises(ValueError, match="categorical must be one of"):
+        load_heart_disease(heart_dir, categorical="dummies")
     again = load_heart_disease(heart_dir)
     np.testing.assert_array_equal(np.asarray(again.test.x), np.asarray(heart.test.x))
     other = load_heart_disease(heart_dir, seed=1)

@@ -42,12 +42,14 @@ def test_degenerate_inputs_give_the_natural_limits():
     D0 = D.copy()
     D0[0, 1] = D0[1, 0] = 0.0
     sq = _symmetric(np.random.default_rng(1), 4)
-    grid = binding_t_grid(D0, sq, binding_share=1.0)
+    grid = binding_t_grid(D0, sq, binding_share=1.0, depth=1.0)
     iu = np.triu_indices(4, 1)
     ratios = (sq[iu] / np.where(D0[iu] > 0, D0[iu], np.nan))[1:]
     assert grid[0] <= ratios.min() <= grid[0] * 1.01 and grid[-1] / 1.01 <= ratios.max() <= grid[-1]
-    two = binding_t_grid(np.array([[0, 2.0], [2.0, 0]]), np.array([[0, 6.0], [6.0, 0]]))
-    assert two == (3.0,)
+    D2, sq2 = np.array([[0, 2.0], [2.0, 0]]), np.array([[0, 6.0], [6.0, 0]])
+    assert binding_t_grid(D2, sq2, depth=1.0) == (3.0,)
+    # below the one ratio the pair keeps binding: depth 0.01 goes two decades down
+    assert binding_t_grid(D2, sq2, num=3) == (0.03, 0.3, 3.0)
 
 
 def test_bad_inputs_are_named():
@@ -60,5 +62,61 @@ def test_bad_inputs_are_named():
         binding_t_grid(D, np.full((3, 3), np.nan))
     with pytest.raises(ValueError, match="binding_share"):
         binding_t_grid(D, D, binding_share=0.0)
+    with pytest.raises(ValueError, match="depth"):
+        binding_t_grid(D, D, depth=1.5)
     with pytest.raises(TypeError, match="num"):
         binding_t_grid(D, D, num=2.5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 7), members=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_stacked_members_pool_their_pairs(n, members, seed):
+    rng = np.random.default_rng(seed)
+    D = np.stack([_symmetric(rng, n) for _ in range(members)])
+    sq = np.stack([_symmetric(rng, n) for _ in range(members)])
+    grid = binding_t_grid(D, sq, num=4, binding_share=0.9)
+    # no pair of any member binds above the top; the pooled share binds at the bottom
+    assert (
+        max(
+            active_fraction(s, d, grid[-1] * (1 + 1e-12), rtol=0.0)
+            for s, d in zip(sq, D, strict=True)
+        )
+        == 0
+    )
+    pooled = np.mean([active_fraction(s, d, grid[0], rtol=0.0) for s, d in zip(sq, D, strict=True)])
+    assert pooled >= 0.9 - 1.0 / (members * n * (n - 1) // 2) - 1e-12
+    if members == 1:
+        assert grid == binding_t_grid(D[0], sq[0], num=4, binding_share=0.9)
+
+
+def test_member_grid_is_the_grid_of_the_exact_local_models():
+    # ridge: each client's own model solves (X^T X / N + lam I) theta = X^T y / N exactly,
+    # so the grid of those models is the reference; 500 steps at 1 / L_i reach it to
+    # float32 accuracy here (condition numbers below 2.5), and the grid's 3 significant
+    # digits round by at most one unit of the third digit (1% at a leading 1)
+    from karula_jax.data import synthetic_ridge
+    from karula_jax.models import ridge_loss, ridge_smoothness
+    from karula_jax.protocol import member_t_grid, stack_datasets
+
+    lam = 0.5
+    problems = [
+        synthetic_ridge(s, num_clients=5, dim=3, min_samples=20, max_samples=30) for s in (0, 1)
+    ]
+    train = stack_datasets([p.train for p in problems])
+    rng = np.random.default_rng(3)
+    D = np.stack([_symmetric(rng, 5) for _ in problems])
+    L = np.stack([np.asarray(ridge_smoothness(p.train, lam)) for p in problems])
+    grid = member_t_grid(ridge_loss(lam), np.zeros(3, np.float32), train, D, L, num=4)
+    exact = []
+    for p in problems:
+        x, y, m = (np.asarray(a, np.float64) for a in (p.train.x, p.train.y, p.train.mask))
+        thetas = []
+        for i in range(len(x)):
+            xi, yi = x[i][m[i] > 0], y[i][m[i] > 0]
+            A = xi.T @ xi / len(xi) + lam * np.eye(3)
+            thetas.append(np.linalg.solve(A, xi.T @ yi / len(xi)))
+        v = np.stack(thetas)
+        exact.append(((v[:, None] - v[None]) ** 2).sum(-1))
+    want = binding_t_grid(D, np.stack(exact), num=4)
+    assert len(grid) == len(want)
+    np.testing.assert_allclose(grid, want, rtol=1e-2)

@@ -11,8 +11,9 @@ Preprocessing (the common one, as in FLamby's Fed-Heart-Disease):
 2. drop every row that still has a missing value: 303 / 261 / 46 / 130 rows remain
    for cleveland / hungarian / switzerland / va;
 3. label = ``num > 0`` (any disease);
-4. optionally one-hot encode the categorical columns cp (4 levels) and restecg
-   (3 levels), giving 15 features instead of 10.
+4. encode the categorical columns cp (4 levels) and restecg (3 levels) by indicators of
+   every level but the first (FLamby's ``get_dummies(..., drop_first=True)``): 13
+   features. All levels (15 features) or the integer codes (10) are options.
 
 Known quirk kept as is: ``chol`` is recorded as 0 for every Swiss row and for 33 VA
 rows (a missing value coded as 0 in the source); dropping them would change the
@@ -29,7 +30,13 @@ import numpy as np
 
 from karula_jax.data.clients import ClientData, from_client_arrays
 
-__all__ = ["HOSPITALS", "HeartDiseaseData", "load_heart_disease", "read_heart_disease_file"]
+__all__ = [
+    "ENCODINGS",
+    "HOSPITALS",
+    "HeartDiseaseData",
+    "load_heart_disease",
+    "read_heart_disease_file",
+]
 
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 _COLUMNS = (
@@ -59,6 +66,8 @@ _LEVELS = {
     "exang": (0, 1),
 }
 _CATEGORICAL = ("cp", "restecg")
+# How cp and restecg enter x: {encoding: number of features}.
+ENCODINGS = {"reference": 13, "one_hot": 15, "codes": 10}
 
 
 class HeartDiseaseData(NamedTuple):
@@ -70,7 +79,7 @@ class HeartDiseaseData(NamedTuple):
       test: the held-out rows of each hospital, standardized with the training
         statistics.
       hospitals: client names, ``hospitals[i]`` is client ``i``.
-      feature_names: the ``d`` column names of ``x`` (one-hot columns as ``cp=1`` ...).
+      feature_names: the ``d`` column names of ``x`` (indicator columns as ``cp=2`` ...).
     """
 
     train: ClientData
@@ -151,12 +160,13 @@ def read_heart_disease_file(path: str | os.PathLike) -> tuple[np.ndarray, np.nda
     return feats, (num > 0).astype(np.int32)
 
 
-def _encode(feats: np.ndarray, one_hot: bool) -> tuple[np.ndarray, list[str], np.ndarray]:
+def _encode(feats: np.ndarray, encoding: str) -> tuple[np.ndarray, list[str], np.ndarray]:
     """Returns encoded features, their names and a bool mask of the columns to standardize."""
     cols, names, scale = [], [], []
     for j, name in enumerate(_RAW):
-        if one_hot and name in _CATEGORICAL:
-            for level in _LEVELS[name]:
+        if encoding != "codes" and name in _CATEGORICAL:
+            levels = _LEVELS[name][1:] if encoding == "reference" else _LEVELS[name]
+            for level in levels:
                 cols.append((feats[:, j] == level).astype(np.float64))
                 names.append(f"{name}={level}")
                 scale.append(False)  # indicators stay 0/1
@@ -184,7 +194,7 @@ def load_heart_disease(
     *,
     test_fraction: float = 0.25,
     seed: int = 0,
-    one_hot_categorical: bool = True,
+    categorical: str = "reference",
 ) -> HeartDiseaseData:
     """Loads the four hospitals as clients, split and standardized.
 
@@ -204,8 +214,11 @@ def load_heart_disease(
       data_dir: folder with the four ``processed.{hospital}.data`` files.
       test_fraction: fraction of each hospital's rows (per class) held out, in (0, 1).
       seed: seed of the split.
-      one_hot_categorical: one-hot encode cp and restecg (15 features) instead of
-        keeping their integer codes (10 features).
+      categorical: how cp and restecg enter (:data:`ENCODINGS`): ``"reference"``, an
+        indicator per level but the first (cp=1, restecg=0 are the reference; 13
+        features, FLamby's encoding); ``"one_hot"``, an indicator per level (15; with an
+        intercept the indicators of one column sum to 1, collinear with it); ``"codes"``,
+        the integer codes as numbers (10).
 
     Returns:
       A :class:`HeartDiseaseData`.
@@ -224,6 +237,8 @@ def load_heart_disease(
         raise TypeError(f"test_fraction must be a number, got {test_fraction!r}") from e
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    if categorical not in ENCODINGS:
+        raise ValueError(f"categorical must be one of {sorted(ENCODINGS)}, got {categorical!r}")
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise TypeError(f"seed must be an int, got {seed!r}")
     rng = np.random.default_rng(seed)
@@ -233,7 +248,7 @@ def load_heart_disease(
     scale = None
     for h in HOSPITALS:
         feats, labels = read_heart_disease_file(root / f"processed.{h}.data")
-        x, names, scale = _encode(feats, one_hot_categorical)
+        x, names, scale = _encode(feats, categorical)
         tr, te = _split(labels, test_fraction, rng)
         if len(tr) == 0 or len(te) == 0:
             raise ValueError(

@@ -76,6 +76,7 @@ from karula_jax.protocol.study import (
     draw_study,
     fix_choices,
     logistic_study,
+    logistic_t_grid,
     pooled_choice,
     run_study,
     selected,
@@ -83,7 +84,7 @@ from karula_jax.protocol.study import (
     study_rows,
     write_study,
 )
-from karula_jax.protocol.t_grid import binding_t_grid
+from karula_jax.protocol.t_grid import binding_t_grid, member_t_grid
 
 __all__ = [
     "GRID_KINDS",
@@ -116,9 +117,11 @@ __all__ = [
     "draw_study",
     "fix_choices",
     "logistic_study",
+    "logistic_t_grid",
     "mean_normalized",
     "member_default_rates",
     "member_dissimilarities",
+    "member_t_grid",
     "pooled_choice",
     "register",
     "run_study",

@@ -37,6 +37,7 @@ import numpy as np
 
 from karula_jax import evaluation as ev
 from karula_jax import provenance, reporting
+from karula_jax._smoothness import linear_smoothness
 from karula_jax.data.clients import ClientData
 from karula_jax.models import linear_params, logistic_loss
 from karula_jax.protocol.cv import CVOutcome, compare
@@ -50,6 +51,7 @@ from karula_jax.protocol.datasets import (
 )
 from karula_jax.protocol.methods import REGISTRY, Method, build_methods
 from karula_jax.protocol.rates import smoothness_constants, smoothness_rates
+from karula_jax.protocol.t_grid import member_t_grid
 
 __all__ = [
     "Draw",
@@ -60,6 +62,7 @@ __all__ = [
     "draw_study",
     "fix_choices",
     "logistic_study",
+    "logistic_t_grid",
     "pooled_choice",
     "run_study",
     "selected",
@@ -594,6 +597,29 @@ def _logistic_metrics(params, data):
     return {"acc": ev.accuracy(_logit, params, data), "nll": ev.log_loss(_logit, params, data)}
 
 
+def logistic_t_grid(data: StudyData, lam: float, *, num: int = 5) -> tuple[float, ...]:
+    """Karula's ``t`` grid of a logistic study from its data: ``0``, ``num`` points of
+    :func:`~karula_jax.protocol.member_t_grid` and ``inf``. Each member's clients train
+    alone on its own training rows (500 steps at ``1 / L_i``); the points run from a
+    hundredth of the ratio 90% of the pooled pairs exceed (those pairs pulled to within
+    10% of their own distance) to the largest ratio (no pair binds)."""
+    train = data.cv.train
+    L = np.stack(
+        [
+            linear_smoothness(
+                ClientData(*(np.asarray(a[b]) for a in train)),
+                lam,
+                intercept=True,
+                curvature=0.25,
+                float64=True,
+            )
+            for b in range(train.counts.shape[0])
+        ]
+    )
+    params = linear_params(int(train.x.shape[-1]))
+    return member_t_grid(logistic_loss(lam), params, train, data.D, L, num=num, limits=True)
+
+
 def logistic_study(
     draw: Callable[[int], Draw],
     config: Any,
@@ -630,7 +656,10 @@ def logistic_study(
       methods: the registered methods to run (:func:`selected`: registry order, Karula
         always).
       clients_per_round, local_steps: of every method that takes them.
-      grids, options: of :func:`~karula_jax.protocol.build_methods`.
+      grids, options: of :func:`~karula_jax.protocol.build_methods`; Karula's grid
+        ``None`` (the default) is drawn from the data (:func:`logistic_t_grid`: the
+        ``0``, ``inf`` limits and five points from where the pairs of the clients' own
+        models all bind hard to where none binds).
       rates: the rate rules (default: the smoothness rules above).
       embed: keywords of the embedding (default ``num_classes=2``).
       client: what a client is, in the column headers ("hospital").
@@ -642,11 +671,14 @@ def logistic_study(
     def build(data: StudyData) -> dict[str, Method]:
         n = int(data.cv.train.counts.shape[1])
         factors = dict(karula=3 / 8, fedavg=1 / 10, ifca=1 / 2, personal=1 / 2)
+        given = dict(grids or {})
+        if "Karula" in names and given.get("Karula") is None:
+            given["Karula"] = logistic_t_grid(data, lam)
         return build_methods(
             names,
             loss=logistic_loss(lam),
             rates=smoothness_rates(**factors, num_clients=n) if rates is None else rates,
-            grids=grids,
+            grids=given,
             options=options,
             clients_per_round=clients_per_round,
             batch_size=int(data.cv.train.x.shape[2]),  # full gradients
