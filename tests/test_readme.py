@@ -54,3 +54,20 @@ def test_the_diary_check_sees_planted_history():
     for what, (sentence, hit) in planted.items():
         assert re.findall(_DIARY[what], sentence) == [hit], what
         assert not re.findall(_DIARY[what], "a 2-core CPU, 784-100-10 MLP, n = 1000, 1.6x")
+
+
+def test_own_data_calls_exist_and_are_the_end_to_end_tests():
+    """The README's own-data path names real functions, and every one of them is what
+    tests/test_own_data_path.py runs end to end on a tiny data set."""
+    import karula_jax
+
+    text = README.read_text()
+    section = text[text.index("## Your own data") :]
+    block = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    calls = set(re.findall(r"\b(data|protocol)\.(\w+)\(", block))
+    calls |= set(re.findall(r"\b(protocol)\.(stack_datasets)\b", block))
+    assert len(calls) >= 8, calls
+    path_test = (README.parent / "tests" / "test_own_data_path.py").read_text()
+    for module, name in sorted(calls):
+        assert callable(getattr(getattr(karula_jax, module), name)), f"{module}.{name}"
+        assert f"{module}.{name}(" in path_test, f"{module}.{name} is not run end to end"
