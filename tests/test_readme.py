@@ -71,3 +71,17 @@ def test_own_data_calls_exist_and_are_the_end_to_end_tests():
     for module, name in sorted(calls):
         assert callable(getattr(getattr(karula_jax, module), name)), f"{module}.{name}"
         assert f"{module}.{name}(" in path_test, f"{module}.{name} is not run end to end"
+
+
+def test_results_pages_are_findings_first_and_short():
+    """Every results page: at most 200 lines, its finding (a bold sentence) before its
+    first table, and no "Superseded" section (git keeps superseded tables)."""
+    pages = sorted((README.parent / "results").glob("*/README.md"))
+    assert len(pages) >= 6
+    for page in pages:
+        text = page.read_text()
+        assert len(text.splitlines()) <= 200, f"{page}: at most 200 lines"
+        assert "superseded" not in text.lower().split("## tried")[0], page
+        first_table = text.find("\n|")
+        finding = re.search(r"\*\*[^*]{20,}\*\*", text)  # a bold sentence, not "**Run:**"
+        assert finding and finding.start() < first_table, f"{page}: the finding comes first"
