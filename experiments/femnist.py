@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +75,11 @@ class Config:
         natural limits), instead of ``t``.
       norm, num_reference, epsilon: the embedding (``norm="row"``: linearized W1).
       invert: ``1 - x`` (ink 1 on background 0) instead of LEAF's background 1.
-      *_grid: CV grids (penalty: mu / L_f with ``L_f = 1 / karula rate``); 0 is each
-        method's natural limit (FedProx: FedAvg; Ditto: local personal models; the penalty:
-        no coupling), so a choice of 0 is not flagged as a grid edge.
+      grids: ``{method name: CV grid}`` (``--grid NAME=V1,V2``) of every method but
+        Karula, whose t is ``t`` or ``t_grid`` (penalty: mu / L_f with ``L_f = 1 / karula
+        rate``); 0 is each method's natural limit (FedProx: FedAvg; Ditto: local personal
+        models; the penalty: no coupling), so a choice of 0 is not flagged as a grid edge.
+        A method without an entry takes its registry row's grid.
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       t_sweep: if given, the t sweep instead of the comparison (:func:`run_t_sweep`):
         Karula at each of these t (``inf`` allowed) at one step for every t, and FedPer
@@ -117,11 +120,16 @@ class Config:
     num_reference: int = 100
     epsilon: float = 0.05
     invert: bool = False
-    fedprox_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
-    ditto_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
-    # up to 1000: on LEAF's pixels at the paper's rates CV chose 10, the old edge
-    penalty_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
-    cluster_grid: tuple[int, ...] = (2, 3, 5, 8, 15)
+    # {method: CV grid} but Karula's (t, t_grid). The penalty's up to 1000: on LEAF's
+    # pixels at the paper's rates CV chose 10, the old edge.
+    grids: Mapping[str, tuple] = dataclasses.field(
+        default_factory=lambda: {
+            "FedProx": (0.0, 0.01, 0.1, 1.0, 10.0),
+            "Ditto": (0.0, 0.01, 0.1, 1.0, 10.0),
+            "Laplacian penalty on D": (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0),
+            "Clustered FedAvg on D": (2, 3, 5, 8, 15),
+        }
+    )
     methods: tuple[str, ...] = METHODS
     t_sweep: tuple[float, ...] = ()
     tuning_draws: int = 1
@@ -132,8 +140,9 @@ def quick_config(cfg: Config) -> Config:
     """A tiny version of ``cfg`` for tests: 6 writers, 10 rounds, 2 seeds, three methods."""
     small = dict(num_clients=6, clients_per_round=3, rounds=10, eval_every=5, seeds=2)
     small |= dict(methods=("FedAvg", "Karula", "Ditto"))
-    grids = dict(fedprox_grid=(0.1,), ditto_grid=(0.01, 1.0), penalty_grid=(0.1,))
-    return dataclasses.replace(cfg, num_reference=10, cluster_grid=(2,), **small, **grids)
+    grids = {"FedProx": (0.1,), "Ditto": (0.01, 1.0), "Laplacian penalty on D": (0.1,)}
+    grids |= {"Clustered FedAvg on D": (2,)}
+    return dataclasses.replace(cfg, num_reference=10, grids=dict(cfg.grids) | grids, **small)
 
 
 def library_rates(cfg: Config, counts) -> dict[str, np.ndarray]:
@@ -168,10 +177,7 @@ def make_methods(cfg: Config, loss, personal, names=METHODS) -> dict[str, protoc
     steps["fedprox"] = functools.partial(_fedprox_step, steps["fedavg"], cfg)
     if cfg.rates == "default" and not cfg.t_sweep:  # Karula's rule, coupled to its t and D
         steps["karula"] = lambda **_: None
-    grids = {"IFCA": cfg.ifca_clusters, "Karula": cfg.t_grid or cfg.t}
-    grids |= {"FedProx": cfg.fedprox_grid}
-    grids |= {"Ditto": cfg.ditto_grid, "Laplacian penalty on D": cfg.penalty_grid}
-    grids |= {"Clustered FedAvg on D": cfg.cluster_grid}
+    grids = {"IFCA": cfg.ifca_clusters} | dict(cfg.grids) | {"Karula": cfg.t_grid or cfg.t}
     mask = dict(personalized=personal)
     methods = protocol.build_methods(
         names,
@@ -309,6 +315,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"rates must be 'paper', 'default' or 'cv', got {cfg.rates!r}")
     if cfg.rounds % cfg.eval_every:
         cfg = dataclasses.replace(cfg, eval_every=cfg.rounds)
+    if "Karula" in cfg.grids:
+        raise ValueError("Karula's t is --t (fixed) or --t-grid (chosen by CV), not --grid")
     if cfg.t_sweep:
         if cfg.rates == "cv":
             raise ValueError("t_sweep takes one step for every t: rates 'paper' or 'default'")
@@ -508,7 +516,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         member_kwargs=functools.partial(_member_kwargs, cfg, model),
         keys=_run_keys,
         embed_keys=jax.random.key(0),
-        cluster_grid=cfg.cluster_grid,
+        cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
         fold_keys=lambda seeds: jax.vmap(jax.random.key)(jnp.asarray(seeds)),
         tuning_seeds=tuple(TUNING_SEED + i for i in range(cfg.tuning_draws)),
         notes=notes,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,10 @@ class Config:
       lam, local_steps: the logistic loss's L2 penalty; local steps of the FedAvg family.
       ifca_clusters, pfedme_lam, pfedme_inner: IFCA's clusters, pFedMe's lambda and steps.
       folds: cross-validation folds.
-      *_grid: CV grids of Karula's t (empty: from the data, see
-        :func:`karula_jax.protocol.logistic_t_grid`), Ditto's lambda, FedProx's mu, the
-        penalty's mu / L_f and the clustered FedAvg's k (spectral clusters of D).
+      grids: ``{method name: CV grid}`` (``--grid NAME=V1,V2``): Karula's t (empty: from
+        the data, see :func:`karula_jax.protocol.logistic_t_grid`), Ditto's lambda,
+        FedProx's mu, the penalty's mu / L_f and the clustered FedAvg's k (spectral
+        clusters of D); a method without an entry takes its registry row's grid.
       methods: which of ``METHODS`` to run (Karula always runs: the paired reference).
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
     """
@@ -65,16 +67,20 @@ class Config:
     pfedme_lam: float = 15.0
     pfedme_inner: int = 10
     folds: int = 3
-    # Karula's t: () draws the grid from the data (protocol.logistic_t_grid: 0, five points
-    # from where 90% of the pairs of the hospitals' own models bind to where none does, inf)
-    t_grid: tuple[float, ...] = ()
-    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
-    # FedProx's mu widened (10 was chosen in 10 of 10 splits), then down to its natural
-    # limit mu = 0 (FedAvg at FedProx's step; 0.01 was chosen in 1 of 10); k up to 4: one
-    # per hospital (a natural limit too).
-    fedprox_grid: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
-    penalty_grid: tuple[float, ...] = (1e-3, 1e-2, 0.1, 1.0, 10.0)
-    cluster_grid: tuple[int, ...] = (1, 2, 3, 4)
+    # {method: CV grid}; Karula's () is drawn from the data (protocol.logistic_t_grid: 0,
+    # five points from where 90% of the pairs of the hospitals' own models bind to where
+    # none does, inf). FedProx's mu widened (10 was chosen in 10 of 10 splits), then down
+    # to its natural limit mu = 0 (FedAvg at FedProx's step); k up to 4: one per hospital
+    # (a natural limit too). Methods without an entry run their registry row's grid.
+    grids: Mapping[str, tuple] = dataclasses.field(
+        default_factory=lambda: {
+            "Karula": (),
+            "Ditto": (0.01, 0.1, 1.0, 10.0),
+            "FedProx": (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0),
+            "Laplacian penalty on D": (1e-3, 1e-2, 0.1, 1.0, 10.0),
+            "Clustered FedAvg on D": (1, 2, 3, 4),
+        }
+    )
     methods: tuple[str, ...] = METHODS
     num_reference: int = 100
     epsilon: float = 0.05
@@ -82,11 +88,11 @@ class Config:
 
 def quick_config(cfg: Config) -> Config:
     """A small version of ``cfg`` for tests."""
-    grids = dict(t_grid=(0.0, 1.0, float("inf")), ditto_grid=(0.1, 1.0), fedprox_grid=(0.1,))
-    grids |= dict(penalty_grid=(0.1, 10.0), cluster_grid=(1, 2))
+    grids = {"Karula": (0.0, 1.0, float("inf")), "Ditto": (0.1, 1.0), "FedProx": (0.1,)}
+    grids |= {"Laplacian penalty on D": (0.1, 10.0), "Clustered FedAvg on D": (1, 2)}
     quick = tuple(m for m in METHODS[:6] if m != "FedSGD")  # FedSGD: unit tests
-    grids |= dict(methods=quick + ("FedProx", "Laplacian penalty on D"))
-    return dataclasses.replace(cfg, seeds=2, rounds=100, folds=2, num_reference=20, **grids)
+    small = dict(seeds=2, rounds=100, folds=2, num_reference=20, grids=dict(cfg.grids) | grids)
+    return dataclasses.replace(cfg, methods=quick + ("FedProx", "Laplacian penalty on D"), **small)
 
 
 def study(cfg: Config) -> protocol.Study:
@@ -100,9 +106,8 @@ def study(cfg: Config) -> protocol.Study:
         karula=0.375, fedavg=0.1, ifca=0.5, personal=0.5, num_clients=4
     )
     rates["pfedme"] = lambda lam, **_: 0.5 / lam
-    grids = {"IFCA": cfg.ifca_clusters, "pFedMe": cfg.pfedme_lam, "Karula": cfg.t_grid or None}
-    grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
-    grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
+    grids = {"IFCA": cfg.ifca_clusters, "pFedMe": cfg.pfedme_lam} | dict(cfg.grids)
+    grids["Karula"] = grids.get("Karula") or None  # empty: from the data
     # D: fold f of seed s embeds with key fold_in(k_s, f + 1), the final fit with k_s
     K, seed_keys = cfg.folds, jax.random.split(jax.random.key(123), cfg.seeds)
     member = lambda k, f: jnp.where(f < K, jax.random.fold_in(k, f + 1), k)
@@ -125,7 +130,7 @@ def study(cfg: Config) -> protocol.Study:
         client="hospital",
         client_names=HOSPITALS,
         embed_keys=embed_keys(seed_keys).reshape(-1),
-        cluster_grid=cfg.cluster_grid,
+        cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
         notes=lambda result: notes(cfg, result),
         test_train_ratio=lambda data: test_train_ratio(
             data.cv.final(data.cv.train), data.cv.final(data.cv.evals)

@@ -12,7 +12,7 @@ import functools
 import sys
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -68,9 +68,11 @@ class SyntheticConfig:
         (:func:`karula_jax.protocol.smoothness_rates`).
       projection_tol, projection_max_iter: stopping rule of Karula's projection per round
         (the cap is the library's default: every round's projection is meant to converge).
-      *_grid: CV grids of Karula's t (``theorem_t_grid``: at the theorem's step), IFCA's
-        k, pFedMe's and Ditto's lambda, FedProx's mu, the penalty's mu / L_f and the
-        clustered FedAvg's k (spectral clusters of D).
+      grids: ``{method name: CV grid}`` (``--grid NAME=V1,V2``): Karula's t (``"Karula
+        (theorem step)"``: at the theorem's step; the diagnostic rows take Karula's),
+        IFCA's k, pFedMe's and Ditto's lambda, FedProx's mu, the penalty's mu / L_f and
+        the clustered FedAvg's k (spectral clusters of D); a method without an entry takes
+        its registry row's grid.
       num_reference, epsilon: reference points and Sinkhorn epsilon of the embedding.
       noise_std, generator: the generator's response noise (None: its default) and further
         keywords (:func:`karula_jax.data.synthetic_ridge`).
@@ -97,24 +99,29 @@ class SyntheticConfig:
     rate_pfedme: float = 1 / 2
     projection_tol: float = 1e-4
     projection_max_iter: int = 1000
-    t_grid: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0)
-    # Karula at the theorem's step chose t = 2, the edge of t_grid, in 10 of 10 seeds: its
-    # grid reaches down to the natural limit t = 0 (every model equal).
-    theorem_t_grid: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
-    # Widened where CV chose an edge in more than a third of the seeds (issue 25 item 5):
-    # pFedMe's lambda was 0.01 and FedProx's mu 10 in 10 of 10 seeds, the clustered FedAvg's
-    # k = 5 in 4 of 10, IFCA's k = 5 in 2 of 10; then IFCA's k = 8 in 4 of 10. pFedMe's
-    # lambda reaches down to where its CV score stops moving (its lambda -> 0 limit under
-    # the envelope step rule; a choice there is reported as a plateau, not an edge).
-    # Then IFCA's k = 12 in 2 of 10 and the clustered FedAvg's k = 8 in 1 of 10: IFCA's k
-    # reaches the number of clients (its natural limit: no more groups than clients), the
-    # clustered FedAvg's k 12 (it chose at most 8 from a grid to 15).
-    k_grid: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30)
-    pfedme_grid: tuple[float, ...] = tuple(float(x) for x in np.geomspace(1e-6, 1.0, 7))
-    ditto_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
-    fedprox_grid: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
-    penalty_grid: tuple[float, ...] = (1e-3, 1e-2, 0.1, 1.0, 10.0)
-    cluster_grid: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12)
+    # {method: CV grid}. Karula at the theorem's step chose t = 2, the edge of Karula's
+    # grid, in 10 of 10 seeds: its grid reaches down to the natural limit t = 0 (every
+    # model equal). Widened where CV chose an edge in more than a third of the seeds:
+    # pFedMe's lambda was 0.01 and FedProx's mu 10 in 10 of 10 seeds, the clustered
+    # FedAvg's k = 5 in 4 of 10, IFCA's k = 5 in 2 of 10; then IFCA's k = 8 in 4 of 10.
+    # pFedMe's lambda reaches down to where its CV score stops moving (its lambda -> 0
+    # limit under the envelope step rule; a choice there is reported as a plateau, not an
+    # edge). Then IFCA's k = 12 in 2 of 10 and the clustered FedAvg's k = 8 in 1 of 10:
+    # IFCA's k reaches the number of clients (its natural limit: no more groups than
+    # clients), the clustered FedAvg's k 12 (it chose at most 8 from a grid to 15).
+    # Methods without an entry run their registry row's grid.
+    grids: Mapping[str, tuple] = dataclasses.field(
+        default_factory=lambda: {
+            "Karula": (2.0, 4.0, 8.0, 16.0, 32.0),
+            "Karula (theorem step)": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0),
+            "IFCA": (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30),
+            "pFedMe": tuple(float(x) for x in np.geomspace(1e-6, 1.0, 7)),
+            "Ditto": (0.01, 0.1, 1.0, 10.0),
+            "FedProx": (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0),
+            "Laplacian penalty on D": (1e-3, 1e-2, 0.1, 1.0, 10.0),
+            "Clustered FedAvg on D": (1, 2, 3, 4, 5, 6, 8, 10, 12),
+        }
+    )
     num_reference: int = 100
     epsilon: float = 0.5
     noise_std: float | None = None
@@ -130,10 +137,10 @@ class SyntheticConfig:
         bad += ["num_folds must be >= 2"] * (self.num_folds < 2)
         too_many = self.clients_per_round > self.num_clients
         bad += ["clients_per_round exceeds num_clients"] * too_many
-        for k in [f.name for f in dataclasses.fields(self) if f.name.endswith("_grid")]:
-            v, t = getattr(self, k), k in ("t_grid", "theorem_t_grid")  # t = 0: a natural limit
+        for k, v in self.grids.items():
+            t = k.startswith("Karula")  # t = 0: a natural limit
             low = "nonnegative" if t else "positive"
-            bad += [f"{k} must be a non-empty tuple of {low} values"] * (
+            bad += [f"grids[{k!r}] must be a non-empty tuple of {low} values"] * (
                 not v or min(v) < 0 or (min(v) == 0 and not t)
             )
         if bad:
@@ -145,8 +152,9 @@ def quick_config(cfg: SyntheticConfig | None = None) -> SyntheticConfig:
     small = dict(num_folds=2, rounds=30, num_reference=20, population_rows=200)
     # IFCA runs in the heart study's quick run and its unit tests (a shorter smoke run)
     quick = tuple(m for m in METHODS if m != "IFCA")
-    small |= dict(t_grid=(3.0, 30.0), k_grid=(1, 2), pfedme_grid=(0.3, 3.0), methods=quick)
-    return dataclasses.replace(cfg or SyntheticConfig(), seeds=2, **small)
+    cfg = cfg or SyntheticConfig()
+    grids = dict(cfg.grids) | {"Karula": (3.0, 30.0), "IFCA": (1, 2), "pFedMe": (0.3, 3.0)}
+    return dataclasses.replace(cfg, seeds=2, grids=grids, methods=quick, **small)
 
 
 # The diagnostics' member arguments: Karula's row reading each instead of D.
@@ -178,8 +186,7 @@ def diagnostic_dissimilarities(cfg: SyntheticConfig, data: protocol.StudyData) -
 _METHOD_FIELDS = (
     "rate_karula", "rate_fedavg", "rate_ifca", "rate_pfedme", "num_clients", "lam",
     "clients_per_round", "local_steps", "pfedme_inner_steps", "projection_tol",
-    "projection_max_iter", "t_grid", "theorem_t_grid", "k_grid", "pfedme_grid",
-    "fedprox_grid", "ditto_grid", "penalty_grid", "cluster_grid", "methods", "diagnostics",
+    "projection_max_iter", "grids", "methods", "diagnostics",
 )  # fmt: skip
 
 
@@ -188,7 +195,9 @@ def methods(cfg: SyntheticConfig, n_max: int) -> dict[str, protocol.Method]:
     with D), with the step sizes of ``results/synthetic/README.md``: the same objects for
     configurations equal in :data:`_METHOD_FIELDS`, so that another run (a sensitivity
     setting) reuses their compiled programs."""
-    return dict(_methods(n_max, **{k: getattr(cfg, k) for k in _METHOD_FIELDS}))
+    fields = {k: getattr(cfg, k) for k in _METHOD_FIELDS}
+    fields["grids"] = tuple((k, tuple(v)) for k, v in cfg.grids.items())  # hashable
+    return dict(_methods(n_max, **fields))
 
 
 @functools.lru_cache(maxsize=8)
@@ -201,10 +210,7 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
         num_clients=cfg.num_clients,
         clients_per_round=cfg.clients_per_round,  # the penalty's own rule
     )
-    grids = {"IFCA": cfg.k_grid, "pFedMe": cfg.pfedme_grid, "Karula": cfg.t_grid}
-    grids |= {"Karula (theorem step)": cfg.theorem_t_grid}
-    grids |= {"FedProx": cfg.fedprox_grid, "Ditto": cfg.ditto_grid}
-    grids |= {"Laplacian penalty on D": cfg.penalty_grid, "Clustered FedAvg on D": cfg.cluster_grid}
+    grids = dict(cfg.grids)
     projection = dict(
         projection_tol=cfg.projection_tol, projection_max_iter=cfg.projection_max_iter
     )
@@ -223,7 +229,7 @@ def _methods(n_max: int, **fields) -> dict[str, protocol.Method]:
         names,
         loss=ridge_loss(cfg.lam),
         rates=rates,
-        grids=grids | dict.fromkeys(rows, cfg.t_grid),
+        grids=grids | dict.fromkeys(rows, protocol.grid_of("Karula", grids)),
         options=options | dict.fromkeys(rows, projection),
         registry=protocol.REGISTRY | rows,
         num_clients=cfg.num_clients,  # k >= n groups: a natural limit (IFCA, clustered)
@@ -412,7 +418,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         embed=dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon),
         member_kwargs=member_kwargs,
         keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
-        cluster_grid=cfg.cluster_grid,
+        cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
         normalize_D=cfg.normalize_D,
         notes=notes,
         summary=summary,

@@ -41,6 +41,7 @@ __all__ = [
     "cli",
     "client_triplet",
     "comparison_rows",
+    "grid_option",
     "keyword_option",
     "markdown_table",
     "mean_se_columns",
@@ -73,11 +74,31 @@ def _option_type(field: dataclasses.Field, default: Any):
     return None
 
 
+def grid_option(text: str) -> tuple[str, tuple]:
+    """Parses ``"NAME=V1,V2,..."`` (a method's CV grid on the command line) into ``(NAME,
+    values)``: a value with neither ``.`` nor an exponent is an int, others floats
+    (``inf`` too); ``NAME=`` alone is the empty grid (a study's "from the data")."""
+    name, sep, values = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=V1,V2,... (a method's grid), got {text!r}")
+
+    def number(v: str):
+        v = v.strip()
+        try:
+            return int(v) if v.lstrip("+-").isdigit() else float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"grid of {name!r}: {v!r} is not a number") from None
+
+    return name.strip(), tuple(number(v) for v in values.split(",") if v.strip())
+
+
 def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, **extra):
     """Reads a config dataclass from the command line: ``--field-name VALUE`` per field.
 
     Numbers and strings take one value, tuples of them comma-separated values, a bool
-    field defaulting to False is a flag; ``--quick`` starts from ``quick(config_type())``
+    field defaulting to False is a flag; a field named ``grids`` (``{method name:
+    grid}``) takes ``--grid NAME=V1,V2,...`` once per method, each replacing that
+    method's entry (:func:`grid_option`); ``--quick`` starts from ``quick(config_type())``
     and ``--out`` names the output. ``extra``: further options, ``name=argparse keywords``.
 
     Returns:
@@ -92,6 +113,16 @@ def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, *
     for f in dataclasses.fields(config_type):
         default = f.default if f.default is not dataclasses.MISSING else None
         flag = "--" + f.name.replace("_", "-")
+        if f.name == "grids":
+            p.add_argument(
+                "--grid",
+                type=grid_option,
+                action="append",
+                default=None,
+                metavar="NAME=V1,V2",
+                help="a method's CV grid (repeat per method), e.g. --grid Karula=1,10,inf",
+            )
+            continue
         if isinstance(default, bool) and not default:
             p.add_argument(flag, action="store_true", default=None)
         elif (kind := _option_type(f, default)) is not None:
@@ -102,6 +133,8 @@ def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, *
     args = p.parse_args(argv)
     cfg = quick(config_type()) if args.quick else config_type()
     changes = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    if getattr(args, "grid", None):
+        changes["grids"] = dict(cfg.grids) | dict(args.grid)
     cfg = dataclasses.replace(cfg, **changes)
     if getattr(cfg, "seeds", 2) < 2:
         p.error("--seeds must be >= 2 (standard errors need two seeds)")

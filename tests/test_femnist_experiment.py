@@ -106,7 +106,7 @@ def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
     kw = dict(
         D=jnp.ones((n, n)) - jnp.eye(n),
         rates={k: jnp.full(shape, 0.1) for k in ("local", "fedavg", "karula")},
-        labels=jnp.zeros((len(cfg.cluster_grid), n), jnp.int32),
+        labels=jnp.zeros((len(cfg.grids["Clustered FedAvg on D"]), n), jnp.int32),
         clusters=jax.tree.map(lambda a: jnp.stack([a] * cfg.ifca_clusters), params0),
     )
     assert set(methods) == set(femnist.METHODS)

@@ -47,8 +47,8 @@ def test_config_rejects_bad_values():
         sr.SyntheticConfig(num_folds=1)
     with pytest.raises(ValueError, match="clients_per_round"):
         sr.SyntheticConfig(clients_per_round=31)
-    with pytest.raises(ValueError, match="t_grid"):
-        sr.SyntheticConfig(t_grid=())
+    with pytest.raises(ValueError, match=r"grids\['Karula'\]"):
+        sr.SyntheticConfig(grids={"Karula": ()})
 
 
 def test_population_rows_come_from_the_training_clients_distributions():
@@ -188,7 +188,8 @@ def test_number_of_groups_is_natural_at_one_and_from_the_number_of_clients():
     """IFCA's and the clustered FedAvg's k: a choice of 1 or of k >= n clients is a natural
     limit (no wider grid exists), a choice at a grid's end below n an edge to widen."""
     cfg = dataclasses.replace(sr.SyntheticConfig(), num_clients=6, clients_per_round=3)
-    cfg = dataclasses.replace(cfg, k_grid=(1, 2, 6, 8), cluster_grid=(1, 2, 4))
+    grids = dict(cfg.grids) | {"IFCA": (1, 2, 6, 8), "Clustered FedAvg on D": (1, 2, 4)}
+    cfg = dataclasses.replace(cfg, grids=grids)
     methods = sr.methods(cfg, n_max=10)
     ifca, clustered = methods["IFCA"], methods["Clustered FedAvg on D"]
     assert ifca.labels() == ["k=1", "k=2", "k=6", "k=8"]
@@ -196,5 +197,6 @@ def test_number_of_groups_is_natural_at_one_and_from_the_number_of_clients():
     assert not ifca.edge(np.array([0, 1, 3])).any()
     assert clustered.labels() == ["k=1", "k=2", "k=4"]
     assert list(clustered.edge(np.array([0, 1, 2]))) == [False, False, True]
-    narrow = sr.methods(dataclasses.replace(cfg, k_grid=(1, 2, 4)), n_max=10)["IFCA"]
+    narrow_cfg = dataclasses.replace(cfg, grids=dict(cfg.grids) | {"IFCA": (1, 2, 4)})
+    narrow = sr.methods(narrow_cfg, n_max=10)["IFCA"]
     assert list(narrow.edge(np.array([0, 2]))) == [False, True]

@@ -43,6 +43,7 @@ __all__ = [
     "build_methods",
     "choice_grid",
     "cross_choice",
+    "grid_of",
     "register",
     "scalar_grid",
     "tagged",
@@ -500,6 +501,21 @@ def tagged(*tags: str, registry: Mapping[str, MethodRow] | None = None) -> tuple
 # The eleven methods of the studies' comparisons: the paper's, the other baselines and the
 # other uses of D, in the registry's order.
 SUITE: tuple[str, ...] = tagged("paper", "baseline", "uses-D")
+
+
+def grid_of(name: str, grids: Mapping[str, Any] | None = None, registry=None) -> Any:
+    """The grid method ``name`` runs: ``grids[name]`` where given, else its registry row's
+    default (:attr:`MethodRow.grid`; ``registry`` default :data:`REGISTRY`).
+
+    Raises:
+      ValueError: ``name`` is in neither.
+    """
+    if grids and name in grids:
+        return grids[name]
+    rows = REGISTRY if registry is None else registry
+    if name not in rows:
+        raise ValueError(f"unknown method {name!r}: no grid given and no registry row")
+    return rows[name].grid
 
 
 def register(row: MethodRow, *, replace: bool = False) -> MethodRow:
