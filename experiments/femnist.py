@@ -519,9 +519,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
         fold_keys=lambda seeds: jax.vmap(jax.random.key)(jnp.asarray(seeds)),
         tuning_seeds=tuple(TUNING_SEED + i for i in range(cfg.tuning_draws)),
-        notes=notes,
-        summary=summary,
-        figures=figures,
+        report=lambda result: protocol.Report(notes(result), summary(result), figures(result)),
         digits=dict(
             test_acc=1, pooled_acc=1, karula_minus=1, runtime_s=1, loss_drop=4, flattened=2
         ),
@@ -673,9 +671,9 @@ def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
         values=values,
         columns=columns,
         reference=reference,
-        notes=notes,
-        summary=None,
-        figures=lambda result: {f"{tag or 't_sweep'}.png": functools.partial(plot, result)},
+        report=lambda result: protocol.Report(
+            notes(result), figures={f"{tag or 't_sweep'}.png": functools.partial(plot, result)}
+        ),
         digits=comparison.digits | {key: 1, "active": 2},
     )
 

@@ -131,11 +131,12 @@ def study(cfg: Config) -> protocol.Study:
         client_names=HOSPITALS,
         embed_keys=embed_keys(seed_keys).reshape(-1),
         cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
-        notes=lambda result: notes(cfg, result),
+        report=lambda result: protocol.Report(
+            notes(cfg, result), {"D_seed0": np.asarray(result.data.D[0])}
+        ),
         test_train_ratio=lambda data: test_train_ratio(
             data.cv.final(data.cv.train), data.cv.final(data.cv.evals)
         ),
-        summary=lambda result: {"D_seed0": np.asarray(result.data.D[0])},
     )
 
 

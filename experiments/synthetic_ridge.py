@@ -359,28 +359,15 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         more = diagnostic_dissimilarities(cfg, data) if cfg.diagnostics else {}
         return dict(L_f=L[0], L_max=L[1]) | more
 
-    last = []  # [(outcomes, (structure, references))]: the hooks below share one analysis
-
-    def analysis(result) -> tuple[_Structure, dict[str, np.ndarray]]:
-        if not last or last[0][0] is not result.outcomes:
-            last[:] = [(result.outcomes, (_structure(result), _exact_references(cfg, result.data)))]
-        return last[0][1]
-
-    def notes(result):
-        return table_notes(cfg, protocol.describe_grids(result.methods), summary(result))
-
-    def summary(result):
-        st, refs = analysis(result)
-        return {
+    def report(result) -> protocol.Report:
+        st, refs = _structure(result), _exact_references(cfg, result.data)
+        summary = {
             "spearman_D": st.rho_D,
             "spearman_local": st.rho_local,
             "spearman_population_D": st.rho_population,
             "exact_local_error": refs["local_error"],
             "exact_global_error": refs["global_error"],
         }
-
-    def figures(result):
-        st = analysis(result)[0]
         heatmaps = functools.partial(
             reporting.plot_heatmaps,
             [st.truth[0], st.D[0], st.local[0]],
@@ -391,7 +378,8 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
             ],
             suptitle="Synthetic ridge, seed 0 (clients ordered by group)",
         )
-        return {"heatmaps.png": heatmaps}
+        notes = table_notes(cfg, protocol.describe_grids(result.methods), summary)
+        return protocol.Report(notes, summary, {"heatmaps.png": heatmaps})
 
     b = reporting.banded
     columns = [("method", "Method"), ("estimation_error", b("Estimation error"))]
@@ -420,9 +408,7 @@ def study(cfg: SyntheticConfig, *, command: str) -> protocol.Study:
         keys=jax.vmap(jax.random.key)(jnp.arange(cfg.seeds)),
         cluster_grid=protocol.grid_of("Clustered FedAvg on D", cfg.grids),
         normalize_D=cfg.normalize_D,
-        notes=notes,
-        summary=summary,
-        figures=figures,
+        report=report,
         digits={"estimation_error": 2, "test_r2": 3, "karula_minus": 2},
         options=functools.partial(_options, cfg),
         command=command,

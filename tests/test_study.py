@@ -182,8 +182,10 @@ def test_tuning_draws_choose_the_grid_and_the_seeds_train_final_fits(tmp_path):
         seen.append((data.seeds, data.cv.num_folds))
         return jax.vmap(jax.random.key)(np.asarray(data.seeds))
 
-    figures = lambda result: {"fig.png": lambda path: path.write_text(str(result.data.seeds))}  # noqa: E731
-    study = base._replace(tuning_seeds=(100,), keys=keys, figures=figures, table="table_t")
+    def report(result):
+        return protocol.Report(figures={"fig.png": lambda p: p.write_text(str(result.data.seeds))})
+
+    study = base._replace(tuning_seeds=(100,), keys=keys, report=report, table="table_t")
     result = protocol.run_study(study, tmp_path, log=lambda _: None)
     assert seen == [((0, 1), 0), ((100,), 2)] or seen == [((100,), 2), ((0, 1), 0)]
     assert result.data.seeds == (0, 1) and result.data.cv.num_folds == 0
@@ -244,3 +246,9 @@ def test_pooled_choice_takes_the_lowest_mean_score_and_drops_diverged_points():
         method, outcome._replace(cv_score=flat, chosen=np.zeros(2, int))
     )
     assert list(plateau.chosen) == [0, 0] and not plateau.edge.any() and plateau.plateau.all()
+
+
+def test_a_report_that_is_not_a_report_is_refused(tmp_path):
+    study = toy_study(ToyConfig())._replace(report=lambda result: {"notes": ["a note"]})
+    with pytest.raises(TypeError, match=r"must return a protocol\.Report, got <class 'dict'>"):
+        protocol.run_study(study, tmp_path, log=lambda _: None)

@@ -70,6 +70,7 @@ from karula_jax.protocol.rates import (
 from karula_jax.protocol.report import comparison_values, write_comparison
 from karula_jax.protocol.study import (
     Draw,
+    Report,
     Study,
     StudyData,
     StudyResult,
@@ -100,6 +101,7 @@ __all__ = [
     "Method",
     "MethodRow",
     "RateRules",
+    "Report",
     "Study",
     "StudyData",
     "StudyResult",

@@ -55,6 +55,7 @@ from karula_jax.protocol.t_grid import member_t_grid
 
 __all__ = [
     "Draw",
+    "Report",
     "Study",
     "StudyData",
     "StudyResult",
@@ -298,16 +299,30 @@ def write_study(
     return text
 
 
+class Report(NamedTuple):
+    """What a study adds to what :func:`run_study` writes (its ``report`` hook).
+
+    Attributes:
+      notes: lines under the table, before the ones :func:`run_study` adds.
+      summary: entries added to the JSON summary.
+      figures: ``{file name: draw(path)}``, each called with ``out / name``.
+    """
+
+    notes: Sequence[str] = ()
+    summary: Mapping[str, Any] = {}
+    figures: Mapping[str, Callable[[pathlib.Path], Any]] = {}
+
+
 class StudyResult(NamedTuple):
-    """What :func:`run_study` returns (and hands to a study's ``notes`` and ``summary``).
+    """What :func:`run_study` returns (and hands to a study's ``report``).
 
     Attributes:
       data: the :class:`StudyData`.
       methods: ``{name: Method}`` as run.
       outcomes: ``{name: CVOutcome}``.
-      rows: the table rows (:func:`study_rows`); empty while the notes are written.
+      rows: the table rows (:func:`study_rows`); empty while the report is made.
       seconds: wall clock from the first draw to the end of the runs.
-      summary: the JSON summary (empty while the notes are written).
+      summary: the JSON summary (empty while the report is made).
       member_kwargs: what the study's ``member_kwargs`` gave (``{name: [B, ...]}``).
       tuning: with ``Study.tuning_seeds``, the CV on the tuning draws: ``seeds``,
         ``grids`` (``{method: labels}``), ``chosen`` (labels), ``points``, ``cv_score``,
@@ -359,9 +374,9 @@ class Study(NamedTuple):
         averaged over them, :func:`pooled_choice`), and the
         ``seeds`` draws train final fits only, at the chosen points; the table's CV
         column then shows the choice and the summary's ``"tuning"`` holds the CV.
-      notes: ``notes(result) -> lines`` under the table, or None.
-      summary: ``summary(result) -> dict``, entries added to the JSON summary, or None.
-      figures: ``figures(result) -> {file name: draw(path)}`` (:func:`write_study`), or None.
+      report: ``report(result) -> Report``: the study's notes under the table, entries
+        of the JSON summary and figures, from the :class:`StudyResult` (rows and summary
+        still empty), or None.
       digits: decimals per column (default 3).
       options: further keywords of :func:`~karula_jax.protocol.compare` (``describe``,
         ``eval_data``, ``fold_weights``...; they override ``eval_fn`` and ``score``), or
@@ -398,9 +413,7 @@ class Study(NamedTuple):
     normalize_D: bool = False
     fold_keys: Callable[[Sequence[int]], jax.Array] | None = None
     tuning_seeds: Sequence[int] = ()
-    notes: Callable[[StudyResult], Sequence[str]] | None = None
-    summary: Callable[[StudyResult], Mapping[str, Any]] | None = None
-    figures: Callable[[StudyResult], Mapping[str, Callable[[pathlib.Path], Any]]] | None = None
+    report: Callable[[StudyResult], Report] | None = None
     digits: Mapping[str, int] | None = None
     options: Mapping[str, Any] | Callable[[StudyData], Mapping[str, Any]] | None = None
     json: str = "summary.json"
@@ -499,7 +512,7 @@ def _tune(study: Study, methods: dict[str, Method], log) -> tuple[dict, dict, di
 
 def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = print):
     """Runs ``study`` end to end and writes ``table.{md,csv}``, the JSON summary
-    (``study.json``) and ``study.figures`` to ``out``.
+    (``study.json``) and the figures of ``study.report`` to ``out``.
 
     The JSON summary holds the config, every method's grid labels, CV choice per seed and
     CV scores, its per-seed values (``"per_seed"``: ``{method: {column: [S]}}``), whether
@@ -507,7 +520,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     (worst certified gap, unconverged rounds; also a note under the table), the rows, the
     wall clock and CPU time (``total_seconds``, ``cpu_seconds``; also the last note, with
     ``study.command``), the devices, the jax version, the run's provenance
-    (:func:`karula_jax.provenance.run_provenance`) and ``study.summary``. When ``out``
+    (:func:`karula_jax.provenance.run_provenance`) and the report's entries. When ``out``
     holds a results page (``README.md``), its run header is rewritten
     (:func:`karula_jax.provenance.stamp_page`).
 
@@ -541,7 +554,10 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
     # that did not converge, next to the table (its runs here; with tuning draws, their
     # CV's report too).
     projection = {m: o.diagnostics for m, o in outcomes.items() if o.diagnostics}
-    notes = [*(study.notes(result) if study.notes else ())]
+    report = study.report(result) if study.report else Report()
+    if not isinstance(report, Report):
+        raise TypeError(f"a study's report must return a protocol.Report, got {type(report)}")
+    notes = list(report.notes)
     runs = "all CV and final runs" if data.cv.num_folds else "the seeds' runs"
     notes += [f"{m}'s {report} ({runs})." for m, report in projection.items()]
     notes += [
@@ -567,7 +583,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         "devices": [str(d) for d in jax.devices()],
         "jax_version": jax.__version__,
         "provenance": facts,
-    } | dict(study.summary(result) if study.summary else {})
+    } | dict(report.summary)
     write_study(
         out,
         rows,
@@ -576,7 +592,7 @@ def run_study(study: Study, out: pathlib.Path, *, log: Callable[[str], None] = p
         notes=notes,
         digits=study.digits,
         summary=summary,
-        figures=study.figures(result) if study.figures else None,
+        figures=report.figures,
         table=study.table,
         json=study.json,
         log=log,
@@ -664,7 +680,7 @@ def logistic_study(
       embed: keywords of the embedding (default ``num_classes=2``).
       client: what a client is, in the column headers ("hospital").
       client_names: a column of test accuracy for each (in the clients' order).
-      **fields: further :class:`Study` fields (``notes``, ``summary``, ``embed_keys``...).
+      **fields: further :class:`Study` fields (``report``, ``embed_keys``...).
     """
     names = selected(methods)
 
