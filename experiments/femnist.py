@@ -24,7 +24,7 @@ from karula_jax import models, protocol, reporting, training
 from karula_jax.data import client_weights, load_leaf
 from karula_jax.stats import format_mean_se, mean_and_se
 
-__all__ = ["Config", "library_rates", "main", "run_experiment"]
+__all__ = ["Config", "library_rates", "main", "merge_runs", "run_experiment", "study"]
 
 METHODS = (
     ("Local", "FedAvg", "IFCA", "Karula") + protocol.tagged("baseline", "uses-D") + ("FedPer",)
@@ -146,15 +146,16 @@ def quick_config(cfg: Config) -> Config:
 
 
 def library_rates(cfg: Config, counts) -> dict[str, np.ndarray]:
-    """The paper's step sizes ``eta_paper * N_i * grad f_i`` in ``karula_jax``'s units.
-
-    ``karula``/``local`` step ``eta N_i / N * grad f_i``: ``eta = eta_paper * N`` (every
-    client); the FedAvg family ``eta * grad f_i``: ``eta = eta_paper * mean_i N_i`` (a
-    client of average size). ``counts``: ``[..., n]``; returns ``{name: rate [...]}``.
+    """The paper's step sizes (per summed loss, times ``rate_scale``) in ``karula_jax``'s
+    units (:func:`karula_jax.protocol.summed_loss_rate`): ``karula``/``local`` with the
+    product-space weighting (every client its paper step), the FedAvg family's for a
+    client of average size. ``counts``: ``[..., n]``; returns ``{name: rate [...]}``.
     """
-    counts = np.asarray(counts, dtype=np.float64)
-    factor = {"karula": counts.sum(-1), "local": counts.sum(-1), "fedavg": counts.mean(-1)}
-    return {m: r * cfg.rate_scale * factor[m] for m, r in cfg.paper_rates}
+    weighting = {"karula": "product", "local": "product", "fedavg": "client"}
+    return {
+        m: protocol.summed_loss_rate(r * cfg.rate_scale, counts, weighting=weighting[m])
+        for m, r in cfg.paper_rates
+    }
 
 
 def rate_choices(cfg: Config) -> list[str]:
@@ -211,7 +212,7 @@ def _fedprox_step(fedavg_step, cfg: Config, mu, **kw):
     return step
 
 
-def _setup(cfg: Config):
+def setup(cfg: Config):
     """``(model, loss, personal)``: the MLP, its loss and the mask of its output layer."""
     model = models.mlp(cfg.hidden, 10)
     loss = models.cross_entropy_loss(model.apply)
@@ -234,7 +235,7 @@ def _run_keys(data: protocol.StudyData) -> jax.Array:
     return keys if data.cv.num_folds else jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
 
 
-def _active(params, D, t: float, personal) -> np.ndarray:
+def active_pairs(params, D, t: float, personal) -> np.ndarray:
     """Fraction of pairs whose constraint at ``t`` binds at the end, per seed ``[S]``, from
     the client models ``params`` (leaves ``[S, n, ...]``) over the ``personal`` leaves."""
     D = np.asarray(D)
@@ -282,7 +283,7 @@ def _short(values) -> str:
     return flat[0] if len(flat) == 1 else "[" + ", ".join(flat) + "]"
 
 
-def _rates_text(cfg: Config) -> str:
+def rates_text(cfg: Config) -> str:
     """How the steps were set, for the notes."""
     if cfg.rates == "paper":
         return f"paper rates x {cfg.rate_scale:g}"
@@ -322,7 +323,9 @@ def main(argv=None) -> dict:
             raise ValueError("t_sweep takes one step for every t: rates 'paper' or 'default'")
         if cfg.t_grid:
             raise ValueError("t_sweep and t_grid exclude each other: a sweep or a CV over t")
-        return run_t_sweep(cfg, args.out, args.tag)
+        from experiments import femnist_sweep  # it builds on this module's comparison
+
+        return femnist_sweep.run_t_sweep(cfg, args.out, args.tag)
     if cfg.t_grid and len(cfg.t_grid) < 2:
         raise ValueError(
             f"t_grid must hold at least two values of t to choose from, got {cfg.t_grid}"
@@ -380,7 +383,7 @@ def _initial_models(model, data: protocol.StudyData):
     return jax.vmap(functools.partial(_init, model))(_seed_keys(data))
 
 
-def _values(_: str, o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
+def seed_values(_: str, o: protocol.CVOutcome, data: protocol.StudyData) -> dict[str, np.ndarray]:
     """A method's columns per seed: test accuracies (%), the final training loss, its
     drop over the last fifth of the rounds and whether it flattened there."""
     acc, counts = 100 * o.curves["test_acc"][:, -1], np.asarray(data.cv.evals.counts, float)
@@ -406,7 +409,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
     """The comparison: grids chosen on writer draw :data:`TUNING_SEED`, then every method
     trained on every seed's writers."""
     sfx, S = f"_{tag}" if tag else "", cfg.seeds
-    model, loss, personal = _setup(cfg)
+    model, loss, personal = setup(cfg)
     methods = make_methods(cfg, loss, personal, protocol.selected(cfg.methods, METHODS))
     kw = dict(num_clients=cfg.num_clients, min_samples=cfg.min_samples, invert=cfg.invert)
 
@@ -426,7 +429,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
             f"minibatches. {BAND_NOTE}",
             f"{cfg.clients_per_round} writers per round, minibatch {cfg.batch_size}, 784-"
             f"{cfg.hidden}-10 ReLU MLP, {cfg.rounds} rounds, "
-            f"{'inverted' if cfg.invert else 'LEAF'} pixels, {_rates_text(cfg)} (library "
+            f"{'inverted' if cfg.invert else 'LEAF'} pixels, {rates_text(cfg)} (library "
             "rates, seed 0: "
             + ", ".join(f"{k} {_short(v[0])}" for k, v in rates.items())
             + f"). Karula: t = {t_chosen(result):g} on D ({cfg.norm} norm), output layer "
@@ -452,7 +455,9 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         params = result.outcomes["Karula"].params
         return {
             "ifca_clusters_in_use": _ifca_in_use(result.outcomes),
-            "karula_active_fraction": _active(params, data.D, t_chosen(result), personal).tolist(),
+            "karula_active_fraction": active_pairs(
+                params, data.D, t_chosen(result), personal
+            ).tolist(),
             "writers": list(writers),
             "three_clients": {"indices": trio, "writers": [writers[0][i] for i in trio]},
         }
@@ -508,7 +513,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         params=functools.partial(_initial_models, model),
         eval_fn=None,  # _options
         score=None,
-        values=_values,
+        values=seed_values,
         paired="test_acc",
         columns=columns,
         embed=dict(num_reference=cfg.num_reference, epsilon=cfg.epsilon, norm=cfg.norm)
@@ -536,25 +541,13 @@ def run_experiment(cfg: Config, out: pathlib.Path, tag: str = "") -> dict:
 
 def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
     """One table of every method of the runs ``tags`` (their ``summary_<tag>.json`` in
-    ``out``), paired against Karula: the runs must share their writer draws and
-    protocol, so their Karula rows agree (checked per seed, to 1e-6 points); a method in
-    several runs is taken from the first. Writes ``table_<tag>.{md,csv}``; returns the rows.
+    ``out``), paired against Karula (:func:`karula_jax.protocol.merge_runs`: the runs must
+    share their writer draws and protocol, so their Karula rows agree per seed to 1e-6
+    points; a method in several runs is taken from the first). Writes
+    ``table_<tag>.{md,csv}``; returns the rows.
     """
-    per_seed, chosen, source = {}, {}, {}
-    for run in tags:
-        summary = json.loads((pathlib.Path(out) / f"summary_{run}.json").read_text())
-        got = {
-            m: {k: np.asarray(v, float) for k, v in c.items()}
-            for m, c in summary["per_seed"].items()
-        }
-        if per_seed and not np.allclose(
-            got["Karula"]["test_acc"], per_seed["Karula"]["test_acc"], rtol=0, atol=1e-6
-        ):
-            raise ValueError(f"run {run!r}: Karula's accuracies differ from run {tags[0]!r}'s")
-        new = [m for m in got if m not in per_seed]
-        per_seed |= {m: got[m] for m in new}
-        chosen |= {m: summary["chosen"][m] for m in new}
-        source |= dict.fromkeys(new, run)
+    read = lambda run: json.loads((pathlib.Path(out) / f"summary_{run}.json").read_text())
+    per_seed, chosen, source = protocol.merge_runs({run: read(run) for run in tags})
     rows = reporting.comparison_rows(per_seed, reference="Karula", paired="test_acc")
     for row in rows:
         choice = chosen[row["method"]]
@@ -583,105 +576,6 @@ def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
     )
     print(text + "\n" + "\n".join(notes))
     return rows
-
-
-def sweep_study(cfg: Config, tag: str = "t_sweep") -> protocol.Study:
-    """Karula at every ``t`` of ``cfg.t_sweep`` at one step, and FedPer: what the
-    constraints add over free output layers (the seeds' writers, no CV).
-
-    Every t takes the same step: Karula's default without coupling (its ``t = inf`` rule,
-    which the projection, a nonexpansive map, cannot make unstable) with ``rates="default"``,
-    else Karula's paper rate; so accuracy against t isolates the constraint. FedPer is
-    FedAvg with the output layer personalized (its own rate rule). The table adds the
-    share of active pairs at the end; ``<tag>.png`` plots accuracy and active pairs
-    against t, the paper's ``t = 20`` marked.
-    """
-    S, comparison = cfg.seeds, study(cfg, tag)
-    model, loss, personal = _setup(cfg)
-    base = make_methods(cfg, loss, personal, ["Karula", "FedPer"])
-    ts = {f"Karula t={t:g}": float(t) for t in cfg.t_sweep}
-    methods = {
-        m: base["Karula"]._replace(make=functools.partial(base["Karula"].make, t=t))
-        for m, t in ts.items()
-    }
-    methods |= {"FedPer": base["FedPer"]} if "FedPer" in cfg.methods else {}
-    reference = max(ts, key=ts.get)
-
-    def active(name, o, data) -> np.ndarray:  # % per seed; FedPer: no constraint, none
-        if name not in ts:
-            return np.zeros(len(data.seeds))
-        return 100 * _active(o.params, data.D, ts[name], personal)
-
-    def values(name, o, data) -> dict[str, np.ndarray]:
-        return _values(name, o, data) | {"active": active(name, o, data)}
-
-    def notes(result) -> list[str]:
-        rates = np.asarray(result.member_kwargs["rates"]["karula"])
-        return [
-            f"{S} writer draws of {cfg.num_clients} as in table.md, {cfg.rounds} rounds, "
-            f"{'inverted' if cfg.invert else 'LEAF'} pixels. Karula at every t takes one step "
-            f"(seed 0: {rates[0]:.4g}; {_rates_text(cfg)}, Karula's without coupling), "
-            "output layer personalized, D the row-norm linearized W1; FedPer: FedAvg "
-            f"({cfg.local_steps} local steps, its own rate) with the output layer personalized.",
-            "Active: pairs i < j with ||theta_i - theta_j||^2 >= (1 - 1e-3) t D_ij over the "
-            "output layers at the end (t = 0: every pair; t = inf and FedPer: none), mean over "
-            f"draws. ± is the 95% Student-t interval over draws; paired differences against "
-            f"{reference}, decided when the paired t-test's p-value, Holm-adjusted over the "
-            "table's comparisons, is below 0.05.",
-        ]
-
-    def plot(result, path):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        v = result.values  # per seed, as in the table
-        finite = [t for t in ts.values() if 0 < t < np.inf] or [20.0]
-        lo, hi = min(finite) / 3, max(finite) * 3
-        x = np.array([lo if t == 0 else hi if np.isinf(t) else t for t in ts.values()])
-        fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
-        m, e = np.array([mean_and_se(v[name]["test_acc"]) for name in ts]).T  # mean, 2 SE
-        axes[0].errorbar(x, m, yerr=e, marker="o", capsize=3, label="Karula (± 2 SE)")
-        if "FedPer" in v:
-            axes[0].axhline(v["FedPer"]["test_acc"].mean(), color="gray", ls="--", label="FedPer")
-        axes[1].plot(x, [v[name]["active"].mean() for name in ts], marker="o")
-        for ax, ylabel in zip(
-            axes, ("mean per-writer test accuracy (%)", "active pairs (%)"), strict=True
-        ):
-            ax.set(xscale="log", xlabel="t (left end: t = 0, right end: t = inf)", ylabel=ylabel)
-            ax.axvline(20.0, color="red", lw=0.8, ls=":", label="paper's t = 20")
-            ax.grid(alpha=0.3)
-        axes[0].legend(frameon=False, fontsize=8)
-        fig.suptitle(f"FEMNIST: Karula over t at one step, {S} writer draws")
-        fig.tight_layout()
-        fig.savefig(path, dpi=130)
-        plt.close(fig)
-
-    key = reference.lower() + "_minus"
-    columns = [c for c in comparison.columns if c[0] not in ("cv_choice", "runtime_s")]
-    columns = [(k.replace("karula_minus", key), h.replace("Karula", reference)) for k, h in columns]
-    columns += [("active", reporting.banded("active pairs at the end (%)"))]
-    columns += [("runtime_s", "runtime (s)")]
-    return comparison._replace(
-        title=f"FEMNIST: Karula over t at one step{' - ' + tag if tag else ''}",
-        methods=lambda _: methods,
-        num_folds=0,
-        tuning_seeds=(),
-        values=values,
-        columns=columns,
-        reference=reference,
-        report=lambda result: protocol.Report(
-            notes(result), figures={f"{tag or 't_sweep'}.png": functools.partial(plot, result)}
-        ),
-        digits=comparison.digits | {key: 1, "active": 2},
-    )
-
-
-def run_t_sweep(cfg: Config, out: pathlib.Path, tag: str = "t_sweep") -> dict:
-    """Runs :func:`sweep_study`; writes ``table_<tag>``, ``<tag>.png`` and
-    ``summary_<tag>.json`` (per-seed accuracies and active pairs in ``"per_seed"``)."""
-    return protocol.run_study(sweep_study(cfg, tag), out).summary
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def test_rates_from_full_gives_every_fold_its_final_fits_step():
     assert np.all(counts[0::3] < final[0::3])  # a fold holds part of the digits
     for rates_from, want in (("member", counts), ("full", final)):
         cfg = femnist.Config(rates_from=rates_from, hidden=4, ifca_clusters=1, seeds=2)
-        model = femnist._setup(cfg)[0]
+        model = femnist.setup(cfg)[0]
         got = femnist._member_kwargs(cfg, model, data)["rates"]
         for key, rate in femnist.library_rates(cfg, want).items():
             # the members' rates in float32: the same sums over 4 clients and products
@@ -98,7 +98,7 @@ def test_every_method_builds_at_every_grid_point_under_each_rate_mode(rates):
     # mu / L_f once divided by Karula's step, which the "default" mode leaves to Karula's
     # own coupled rule: None). Building traces nothing, so this is cheap.
     cfg = femnist.Config(rates=rates, seeds=1)
-    model, loss, personal = femnist._setup(cfg)
+    model, loss, personal = femnist.setup(cfg)
     params0 = femnist._init(model, jax.random.key(0))
     methods = femnist.make_methods(cfg, loss, personal)
     n = 4
@@ -210,5 +210,5 @@ def test_merge_runs_pairs_every_method_against_the_shared_karula(tmp_path):
     assert "| Ditto |" in (tmp_path / "table_m.md").read_text()
     runs["b"]["per_seed"]["Karula"] = other  # another draw or protocol: refused
     (tmp_path / "summary_b.json").write_text(json.dumps(runs["b"]))
-    with pytest.raises(ValueError, match="Karula's accuracies differ"):
+    with pytest.raises(ValueError, match="run 'b': Karula's per-seed test_acc differ from run 'a'"):
         femnist.merge_runs(tmp_path, ["a", "b"], "m")

@@ -42,6 +42,7 @@ from karula_jax.protocol.datasets import (
     member_dissimilarities,
     stack_datasets,
 )
+from karula_jax.protocol.merge import MergedRuns, merge_runs
 from karula_jax.protocol.methods import (
     GRID_KINDS,
     REGISTRY,
@@ -66,6 +67,7 @@ from karula_jax.protocol.rates import (
     member_default_rates,
     smoothness_constants,
     smoothness_rates,
+    summed_loss_rate,
 )
 from karula_jax.protocol.report import comparison_values, write_comparison
 from karula_jax.protocol.study import (
@@ -99,6 +101,7 @@ __all__ = [
     "CVOutcome",
     "Draw",
     "Method",
+    "MergedRuns",
     "MethodRow",
     "RateRules",
     "Report",
@@ -126,6 +129,7 @@ __all__ = [
     "member_default_rates",
     "member_dissimilarities",
     "member_t_grid",
+    "merge_runs",
     "pooled_choice",
     "register",
     "run_study",
@@ -133,6 +137,7 @@ __all__ = [
     "selected",
     "smoothness_constants",
     "smoothness_rates",
+    "summed_loss_rate",
     "stack_datasets",
     "study_data",
     "study_rows",

@@ -34,7 +34,10 @@ __all__ = [
     "member_default_rates",
     "smoothness_constants",
     "smoothness_rates",
+    "summed_loss_rate",
 ]
+
+SUMMED_LOSS_WEIGHTINGS = ("product", "client")
 
 
 def smoothness_rates(
@@ -327,3 +330,45 @@ def smoothness_constants(
         n = d.num_clients
         out.append([float(np.max(alpha * L_i)) / n, float(np.max(L_i))])
     return tuple(np.asarray(out).T)
+
+
+def summed_loss_rate(rate: Any, counts: Any, *, weighting: str) -> np.ndarray:
+    """A step size given for summed losses, in the library's units (mean losses).
+
+    A step ``rate`` on client ``i``'s summed loss ``N_i f_i`` moves it by ``rate N_i grad
+    f_i``. In the library the clients' losses are means ``f_i``, and:
+
+    * ``weighting="product"`` (Karula, Local: the product-space objective ``(1/n) sum_i
+      alpha_i f_i`` with ``alpha_i = n N_i / N``, client gradient ``(N_i / N) grad f_i``):
+      the same move for every client takes ``rate * N``, ``N = sum_i N_i``;
+    * ``weighting="client"`` (the FedAvg family: each client steps on its own ``grad
+      f_i``): one step for all clients can match only one size; this gives a client of
+      average size its move, ``rate * mean_i N_i``.
+
+    Args:
+      rate: the step for summed losses (a scalar or an array broadcasting against
+        ``counts``' leading axes).
+      counts: ``[..., n]`` the clients' real rows.
+      weighting: ``"product"`` or ``"client"``.
+
+    Returns:
+      float64 ``[...]``, the step in the library's units.
+
+    Raises:
+      ValueError: ``weighting`` is neither; ``counts`` has no client axis or a negative
+        entry.
+
+    Examples:
+      >>> from karula_jax.protocol import summed_loss_rate
+      >>> float(summed_loss_rate(1e-3, [10, 30], weighting="product"))  # 1e-3 * 40
+      0.04
+      >>> float(summed_loss_rate(1e-3, [10, 30], weighting="client"))  # 1e-3 * 20
+      0.02
+    """
+    if weighting not in SUMMED_LOSS_WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {SUMMED_LOSS_WEIGHTINGS}, got {weighting!r}")
+    counts = np.asarray(counts, np.float64)
+    if counts.ndim < 1 or (counts < 0).any():
+        raise ValueError(f"counts must be [..., n] row counts >= 0, got shape {counts.shape}")
+    size = counts.sum(-1) if weighting == "product" else counts.mean(-1)
+    return np.asarray(rate, np.float64) * size
