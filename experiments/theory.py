@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.paths import OUTPUT
-from karula_jax import reporting, theory
+from karula_jax import provenance, reporting, theory
 from karula_jax.algorithms import karula, lipschitz_ridge
 from karula_jax.data import client_weights, synthetic_ridge
 from karula_jax.models import ridge_loss
@@ -147,7 +147,10 @@ def _sigma_sq(cfg, data, theta, a, batch_size) -> float:
 
 
 def run(cfg: TheoryConfig, out, command: str) -> list[dict]:
+    """Runs every setting, writes ``table.md`` and the figures to ``out`` and, where
+    ``out`` holds a results page (``README.md``), its run header; returns the rows."""
     start = time.perf_counter()
+    facts = provenance.run_provenance()  # the code that runs: read before it runs
     data, A, b, a, radii = _problem(cfg)
     L = lipschitz_ridge(data, cfg.lam, per_client=True)
     eta = float(theory.theorem_step(L))
@@ -243,6 +246,9 @@ def run(cfg: TheoryConfig, out, command: str) -> list[dict]:
     )
     (out / "table.md").write_text(text + "\n")
     print(text)
+    header = provenance.provenance_header(facts, seconds=time.perf_counter() - start)
+    if provenance.stamp_page(out / "README.md", header):
+        print(f"updated the run header of {out / 'README.md'}")
     return rows
 
 
