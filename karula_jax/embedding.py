@@ -31,9 +31,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ott.geometry import costs, geometry, pointcloud
-from ott.problems.linear import linear_problem
-from ott.solvers.linear import acceleration, sinkhorn
 
 from karula_jax._checks import (
     check_finite,
@@ -239,6 +236,12 @@ def _solve_one(
     reference, z, b, epsilon, threshold, max_iterations, inner_iterations, momentum_start
 ):
     """Sinkhorn between uniform ``reference`` [N0, dz] and ``(z [N_max, dz], b [N_max])``."""
+    # ott (with lineax and equinox) is imported here, when a D is first computed: it is
+    # most of `import karula_jax`'s time, which every process pays, most never using it
+    from ott.geometry import costs, geometry, pointcloud  # noqa: PLC0415
+    from ott.problems.linear import linear_problem  # noqa: PLC0415
+    from ott.solvers.linear import acceleration, sinkhorn  # noqa: PLC0415
+
     n0 = reference.shape[0]
     a = jnp.full((n0,), 1.0 / n0, dtype=jnp.float32)
     # The cost matrix is formed once; a PointCloud geometry recomputes it every iteration.

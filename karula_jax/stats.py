@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-from scipy import stats as _sps
 
 __all__ = [
     "Decision",
@@ -171,6 +170,14 @@ def _mean_and_corrected_se(values, axis, ratio) -> tuple[np.ndarray, np.ndarray,
     return mean, se * np.sqrt(1.0 + S * ratio), S  # s sqrt(1/S + r) = (s / sqrt(S)) sqrt(1 + S r)
 
 
+def _student_t():
+    """:data:`scipy.stats.t`, imported at first use: ``scipy.stats`` takes a second or more
+    to import, and most processes that import karula_jax never compute an interval."""
+    from scipy import stats  # noqa: PLC0415
+
+    return stats.t
+
+
 def t_interval(
     values: Any, axis: int = 0, *, confidence: float = 0.95, test_train_ratio: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +212,7 @@ def t_interval(
     """
     q = 0.5 + _check_confidence(confidence) / 2
     mean, se, S = _mean_and_corrected_se(values, axis, _check_ratio(test_train_ratio))
-    return mean, (_sps.t.ppf(q, S - 1) * se)[()]
+    return mean, (_student_t().ppf(q, S - 1) * se)[()]
 
 
 class PairedTest(NamedTuple):
@@ -271,10 +278,10 @@ def paired_test(
     finite = np.isfinite(diff) & np.isfinite(se)
     with np.errstate(invalid="ignore", divide="ignore"):
         stat = np.where(finite & (se > 0), np.abs(diff) / np.where(se > 0, se, 1.0), 0.0)
-        p = 2 * _sps.t.sf(stat, dof)
+        p = 2 * _student_t().sf(stat, dof)
     tie = finite & (se == 0)
     p = np.where(tie, np.where(diff == 0, 1.0, 0.0), np.where(finite, p, np.nan))
-    return PairedTest(diff, (_sps.t.ppf(q, dof) * se)[()], np.asarray(p, np.float64)[()], dof)
+    return PairedTest(diff, (_student_t().ppf(q, dof) * se)[()], np.asarray(p, np.float64)[()], dof)
 
 
 def holm(p_values: Any) -> np.ndarray:

@@ -12,8 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.cluster.hierarchy import cut_tree, linkage
-from scipy.spatial.distance import squareform
 
 from karula_jax._checks import check_nonnegative, check_positive_int, concrete, defer
 from karula_jax.algorithms._graph import check_dissimilarity, weights_numpy
@@ -63,6 +61,10 @@ def _average_linkage(d: np.ndarray, k: int) -> np.ndarray:
         # a group pair with an infinite pair averages > (n^2 + 1) / (n^2 / 4) > 1 >= any
         # average of finite (scaled) entries
         d = np.where(np.isfinite(d), d / top, float(n * n + 1))
+    # imported here: scipy.cluster (with scipy.spatial) is a second of `import karula_jax`
+    from scipy.cluster.hierarchy import cut_tree, linkage  # noqa: PLC0415
+    from scipy.spatial.distance import squareform  # noqa: PLC0415
+
     Z = linkage(squareform(d, checks=False), method="average")
     return _canonical(cut_tree(Z, n_clusters=k)[:, 0])
 
