@@ -97,6 +97,13 @@ if os.environ[_CACHE_VAR] != "off":
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # The subprocesses (notebook kernels, sharding and distributed workers) share it too:
+    # JAX reads these variables when it is imported. A worker that compiles the same
+    # program twice (a new closure of the same function) reads it back the second time;
+    # the cache key holds the XLA flags, so a 4-device process gets its own entries.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VAR]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_unconfigure(config):
