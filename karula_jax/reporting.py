@@ -116,6 +116,7 @@ def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, *
         if f.name == "grids":
             p.add_argument(
                 "--grid",
+                dest="grid_entries",
                 type=grid_option,
                 action="append",
                 default=None,
@@ -133,8 +134,8 @@ def cli(config_type, argv, *, quick, description: str = "", out: pathlib.Path, *
     args = p.parse_args(argv)
     cfg = quick(config_type()) if args.quick else config_type()
     changes = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
-    if getattr(args, "grid", None):
-        changes["grids"] = dict(cfg.grids) | dict(args.grid)
+    if getattr(args, "grid_entries", None):
+        changes["grids"] = dict(cfg.grids) | dict(args.grid_entries)
     cfg = dataclasses.replace(cfg, **changes)
     if getattr(cfg, "seeds", 2) < 2:
         p.error("--seeds must be >= 2 (standard errors need two seeds)")
