@@ -51,6 +51,7 @@ class ScaleConfig:
         300: the mode of issue 24, ``results/bench/scale_binding.md``).
       projection_method: Karula's ``projection_method``; several, comma-separated (e.g.
         ``laplacian,fista``), run as separate Karula rows in the same process, taking turns.
+      rows: the range of each client's number of rows (FEMNIST's writers: 150-210).
       (data: ``karula_jax.data.random_classification``, D uniform in [0.5, 1.5].)
     """
 
@@ -66,6 +67,7 @@ class ScaleConfig:
     karula_default_step: bool = False
     warmup: int = 1
     projection_method: str = "auto"
+    rows: tuple[int, ...] = (150, 210)
 
 
 QUICK = ScaleConfig(sizes=(30, 100), rounds=3)
@@ -89,7 +91,8 @@ def methods_of(cfg: ScaleConfig) -> list[str]:
 
 
 def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
-    data, params, loss, D = mlp_problem(n)  # FEMNIST's shapes, D uniform in [0.5, 1.5]
+    # FEMNIST's shapes, D uniform in [0.5, 1.5]
+    data, params, loss, D = mlp_problem(n, rows=tuple(cfg.rows))
     pers = output_layer_mask(params)
     kw = dict(clients_per_round=max(1, n // 10), batch_size=cfg.batch_size)
     bare = {}

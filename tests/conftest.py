@@ -166,6 +166,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_scaffold_first_round_is_fedavg_and_personalized_leaves_have_no_control",
         "test_traced_hyperparameters_compile_once_and_batch",
     ),
+    "test_bench_device.py": ("test_quick_run_writes_every_part_with_its_solver_and_active_share",),
     "test_divergence.py": ("test_penalty_own_rule_stable_at_mu_zero_where_karulas_step_diverges",),
     "test_doctests.py": ("test_examples_print_what_they_show",),
     "test_embedding.py": (
