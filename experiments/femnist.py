@@ -20,7 +20,7 @@ import numpy as np
 
 from experiments.paths import DATA_DIR, OUTPUT
 from karula_jax import evaluation as ev
-from karula_jax import models, protocol, reporting, training
+from karula_jax import models, protocol, provenance, reporting, training
 from karula_jax.data import client_weights, load_leaf
 from karula_jax.stats import format_mean_se, mean_and_se
 
@@ -575,7 +575,36 @@ def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
         rows, columns, pathlib.Path(out) / f"table_{tag}", title=title, notes=notes, digits=digits
     )
     print(text + "\n" + "\n".join(notes))
+    page = pathlib.Path(out) / "README.md"
+    if page.is_file():  # the results page, written by hand: only its header is the run's
+        provenance.stamp_page(page, merged_runs_header(out, tags))
     return rows
+
+
+def merged_runs_header(out: pathlib.Path, tags) -> str:
+    """The FEMNIST page's run header for a table merged from the runs ``tags``: each run's
+    date and commit (its summary's ``provenance``; for a run that predates it, the commit
+    that added its summary), wall time, jax version and devices."""
+    runs, machines = [], set()
+    for run in tags:
+        path = pathlib.Path(out) / f"summary_{run}.json"
+        summary = json.loads(path.read_text())
+        facts = summary.get("provenance")
+        if facts:
+            when = f"{facts['date']}, commit {facts['commit']}"
+            machines.add(f"{facts['cpu']}, {facts['cores']} cores; JAX devices: {facts['devices']}")
+        else:
+            origin = provenance.committed(path)
+            when = "added in commit {1}, {0}".format(*origin[::-1]) if origin else "not recorded"
+            devices = ", ".join(summary.get("devices") or ["not recorded"])
+            machines.add(f"not recorded by the run; JAX devices: {devices}")
+        wall = summary.get("total_seconds")
+        wall = "wall time not recorded" if wall is None else f"{wall:,.0f} s wall"
+        jax_version = summary.get("jax_version", "not recorded")
+        runs.append(f"`{run}` ({when}; jax {jax_version}; {wall})")
+    lines = [f"- **Runs:** the verdict table merged from {len(runs)} runs: {'; '.join(runs)}."]
+    lines.append(f"- **Machine:** {' | '.join(sorted(machines))}.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

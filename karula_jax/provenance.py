@@ -17,7 +17,14 @@ from typing import Any
 
 import jax
 
-__all__ = ["HEADER_BEGIN", "HEADER_END", "provenance_header", "run_provenance", "stamp_page"]
+__all__ = [
+    "HEADER_BEGIN",
+    "HEADER_END",
+    "committed",
+    "provenance_header",
+    "run_provenance",
+    "stamp_page",
+]
 
 HEADER_BEGIN = "<!-- run header: written by the command below; do not edit -->"
 HEADER_END = "<!-- end of run header -->"
@@ -72,6 +79,18 @@ def run_provenance(repo: str | os.PathLike | None = None) -> dict[str, Any]:
         "jax": jax.__version__,
         "python": platform.python_version(),
     }
+
+
+def committed(path: str | os.PathLike) -> tuple[str, str] | None:
+    """``(short hash, "YYYY-MM-DD")`` of the commit that added ``path`` to git (its author
+    date), or None where git or the file's history is unavailable: where a result written
+    before runs recorded their provenance entered the repository."""
+    path = pathlib.Path(path).resolve()
+    out = _git(["log", "--diff-filter=A", "--format=%h %as", "--", path.name], path.parent)
+    if not out:
+        return None
+    commit, date = out.splitlines()[-1].split()
+    return commit, date
 
 
 def provenance_header(provenance: dict[str, Any], *, seconds: float | None = None) -> str:

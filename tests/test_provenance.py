@@ -64,3 +64,43 @@ def test_provenance_reads_the_commit_and_whether_the_tree_differs(tmp_path):
 def test_provenance_outside_a_checkout_says_unknown(tmp_path):
     facts = pv.run_provenance(tmp_path)
     assert (facts["commit"], facts["dirty"]) == ("unknown", None)
+
+
+def test_committed_names_the_commit_that_added_a_file_not_a_later_one(tmp_path):
+    # A summary rewritten later (a re-render) still dates from the commit that added it.
+    commit = lambda: _git(  # noqa: E731
+        tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c"
+    )
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "s.json").write_text("1")
+    _git(tmp_path, "add", "s.json")
+    commit()
+    first = _git(tmp_path, "rev-parse", "--short", "HEAD").stdout.strip()
+    (tmp_path / "s.json").write_text("2")
+    _git(tmp_path, "add", "s.json")
+    commit()
+    hash_, date = pv.committed(tmp_path / "s.json")
+    assert hash_ == first and len(date) == 10 and date[4] == "-"
+    assert pv.committed(tmp_path / "never_added.json") is None
+
+
+def test_merged_femnist_header_takes_each_runs_own_facts(tmp_path):
+    # One run recorded its provenance, one predates it (outside git: "not recorded").
+    import json
+
+    from experiments import femnist
+
+    facts = FACTS | {"date": "2026-12-03", "commit": "abc1234"}
+    (tmp_path / "summary_a.json").write_text(
+        json.dumps({"provenance": facts, "total_seconds": 1234.0, "jax_version": "0.12.0"})
+    )
+    (tmp_path / "summary_b.json").write_text(
+        json.dumps({"devices": ["cpu:0"], "total_seconds": 60.4, "jax_version": "0.10.2"})
+    )
+    header = femnist.merged_runs_header(tmp_path, ["a", "b"])
+    run, machine = header.splitlines()
+    assert run.startswith("- **Runs:** the verdict table merged from 2 runs: ")
+    assert "`a` (2026-12-03, commit abc1234; jax 0.12.0; 1,234 s wall)" in run
+    assert "`b` (not recorded; jax 0.10.2; 60 s wall)" in run
+    assert f"{FACTS['cpu']}, {FACTS['cores']} cores; JAX devices: {FACTS['devices']}" in machine
+    assert "not recorded by the run; JAX devices: cpu:0" in machine
