@@ -46,7 +46,8 @@ class DeviceConfig:
       (its default config; with ``--quick`` the ridge batch of its quick config).
 
     A part (or size) starts only while the elapsed time is below ``budget_s``; one not
-    started is listed as such. Expected on one H200: about 6 min for all three parts.
+    started is listed as such. Sized from the older H200 tables (about 6 min for all three
+    parts); not yet run on a GPU.
 
     Attributes:
       binding_sizes: n of the binding part.
