@@ -575,8 +575,15 @@ def _chunks(
     ckpt_path: str | None,
     ckpt_meta: dict,
 ):
-    """Runs the chunks from round ``done`` to ``num_rounds``: ``(state, first bad round)``."""
-    shardings = jax.tree.map(lambda x: x.sharding, state)
+    """Runs the chunks from round ``done`` to ``num_rounds``: ``(state, first bad round)``.
+
+    The state goes where the compiled chunk takes it, before every call: not where it was
+    when the chunk was compiled. Where the state was on one device and some of the data on
+    a mesh (a batch no device count divides, with data placed by an earlier batch), XLA
+    chose a mesh placement for the state; the first call moves an uncommitted state there,
+    but a committed one is refused (found with 5 CV folds on 2 devices)."""
+    shardings = compiled.input_shardings[0][0]
+    state = jax.device_put(state, shardings)
     first_bad: int | None = None
     while done < num_rounds:
         active = min(chunk_size, num_rounds - done)
