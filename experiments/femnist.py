@@ -1,7 +1,7 @@
 """Federated MNIST on LEAF writers (paper section 5.2).
 
 Seed ``s`` draws the writers (``load_leaf(seed=s)``), the initial models, participation and
-minibatches. Grids the paper does not fix are chosen by 2-fold CV on a separate tuning draw;
+minibatches. Grids the paper does not fix are chosen by K-fold CV on a separate tuning draw;
 then every method is trained on every seed at its chosen point (the study driver,
 :mod:`karula_jax.protocol.study`). Findings: ``results/femnist/README.md``.
 """
@@ -93,6 +93,8 @@ class Config:
       tuning_draws: writer draws the grids are chosen on (``TUNING_SEED`` and the next
         ones); with several, the point of the lowest CV score averaged over them
         (:func:`karula_jax.protocol.pooled_choice`).
+      folds: ``K`` of the CV on the tuning draws: each fold trains on ``(K - 1) / K`` of
+        every writer's training digits (2: half of them, fewer than a final fit sees).
     """
 
     data_dir: str = str(DATA_DIR / "femnist")
@@ -134,6 +136,7 @@ class Config:
     t_sweep: tuple[float, ...] = ()
     tuning_draws: int = 1
     rates_from: str = "full"
+    folds: int = 2
 
 
 def quick_config(cfg: Config) -> Config:
@@ -310,6 +313,8 @@ def main(argv=None) -> dict:
         return merge_runs(args.out, args.merge.split(","), args.tag or "merged")
     if cfg.rates_from not in ("member", "full"):
         raise ValueError(f"rates_from must be 'member' or 'full', got {cfg.rates_from!r}")
+    if cfg.folds < 2:
+        raise ValueError(f"folds must be >= 2 (CV on the tuning draws), got {cfg.folds}")
     if cfg.tuning_draws < 1:
         raise ValueError(f"tuning_draws must be >= 1, got {cfg.tuning_draws}")
     if cfg.rates not in ("paper", "default", "cv"):
@@ -436,7 +441,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
             f"personalized (also in the penalty and FedPer); the FedAvg family: "
             f"{cfg.local_steps} local steps; IFCA: {cfg.ifca_clusters} independently "
             f"initialized clusters, in use at the end per seed: {_ifca_in_use(result.outcomes)}.",
-            f"Grids decided by 2-fold CV on writer draw {', '.join(map(str, tuning))}"
+            f"Grids decided by {cfg.folds}-fold CV on writer draw {', '.join(map(str, tuning))}"
             + " (the lowest CV score averaged over them)" * (len(tuning) > 1)
             + ": "
             + "; ".join(f"{m}: {', '.join(labels)}" for m, labels in grids.items())
@@ -507,7 +512,7 @@ def study(cfg: Config, tag: str = "") -> protocol.Study:
         config=cfg,
         draw=draw,
         seeds=S,
-        num_folds=2,
+        num_folds=cfg.folds,
         num_rounds=cfg.rounds,
         methods=lambda _: methods,
         params=functools.partial(_initial_models, model),
