@@ -86,6 +86,7 @@ def _compare_sharded_and_unsharded() -> dict:
     out["same_grid_participants"] = bool(
         np.array_equal(grid_sharded.info.participants, grid_plain.info.participants)
     )
+    out["odd_batch_diff"] = _odd_batch_beside_data_on_the_mesh(mesh, params)
     out |= _karula_members_on_the_mesh(mesh)
     out |= _protocol_on_every_device()
     # batch_mesh: the most devices that divide the member axis (None: 1)
@@ -107,6 +108,26 @@ def _compare_sharded_and_unsharded() -> dict:
             errors[name] = str(err)
     out["errors"] = errors
     return out
+
+
+def _odd_batch_beside_data_on_the_mesh(mesh, params) -> float:
+    """7 members (no device count divides them: the batch runs unsplit) whose data an
+    earlier step left replicated on the mesh, over two chunks: XLA places the state on
+    the mesh too, and every chunk must take it there (the second chunk refused a
+    committed single-device state once: 5 CV folds on 2 devices). Returns the largest
+    difference from the same batch with its data on one device."""
+    from _training_helpers import make_data, toy
+
+    data = make_data(seed=4, n=8)
+    replicated = jax.device_put(
+        data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    kw = dict(keys=jax.random.split(jax.random.key(7), 7), num_rounds=4, chunk_size=2)
+    kw |= dict(batch_kwargs={"eta": jnp.linspace(0.1, 0.4, 7)}, progress=False)
+    make = lambda eta: toy(eta=eta, s=3)  # noqa: E731
+    on_mesh = training.run_many(make, params, replicated, **kw)
+    alone = training.run_many(make, params, data, **kw)
+    return _max_diff(jax.device_get(on_mesh.state.params), jax.device_get(alone.state.params))
 
 
 def _karula_members_on_the_mesh(mesh) -> dict:
@@ -255,6 +276,8 @@ def test_sharded_run_equals_unsharded_on_4_devices():
     assert out["karula_diff"] <= _REORDERED_SUMS and out["karula_collectives"] == []
     assert out["karula_resumed_diff"] <= _REORDERED_SUMS
     assert out["batch_mesh"] == {"1": None, "6": 3, "7": None, "8": 4}
+    # the same sums, placed otherwise (replicated on 4 devices or on one)
+    assert out["odd_batch_diff"] <= _REORDERED_SUMS
     assert out["cv_mesh_sizes"] == [3, None] and out["cv_same_choice"]
     assert out["cv_diff"] <= _REORDERED_SUMS and out["D_diff"] <= _SINKHORN
     errors = out["errors"]
