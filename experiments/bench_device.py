@@ -110,24 +110,25 @@ def parts_of(cfg: DeviceConfig) -> list[str]:
 
 def scale_config(cfg: DeviceConfig, part: str) -> bench_scale.ScaleConfig:
     """The bench_scale config of the ``binding`` or ``many`` part."""
-    common = dict(t_values=(cfg.t,), karula_default_step=True, large=1000)
-    if part == "binding":
-        return bench_scale.ScaleConfig(
+    fields = {
+        "binding": dict(
             sizes=cfg.binding_sizes,
             rounds=cfg.rounds,
             rounds_large=cfg.rounds_large,
             warmup=cfg.warmup,
             projection_method=cfg.projection_methods,
-            **common,
-        )
+        ),
+        "many": dict(
+            sizes=cfg.many_sizes,
+            rounds=cfg.many_rounds,
+            rounds_large=cfg.many_rounds,
+            warmup=cfg.many_warmup,
+            projection_method=cfg.many_methods,
+            rows=cfg.many_rows,
+        ),
+    }[part]
     return bench_scale.ScaleConfig(
-        sizes=cfg.many_sizes,
-        rounds=cfg.many_rounds,
-        rounds_large=cfg.many_rounds,
-        warmup=cfg.many_warmup,
-        projection_method=cfg.many_methods,
-        rows=cfg.many_rows,
-        **common,
+        t_values=(cfg.t,), karula_default_step=True, large=1000, **fields
     )
 
 
@@ -163,11 +164,7 @@ class Page:
             f"against FedAvg's round in the same table. {self.elapsed():.0f} s so far.\n",
             *self.parts,
         )
-        if final:
-            publish(text, self.out, quick=self.quick)
-        elif not self.quick:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.out.write_text(text + "\n")
+        publish(text, self.out, quick=self.quick, echo=final)
 
 
 def scale_part(page: Page, part: str) -> None:

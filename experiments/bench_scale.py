@@ -92,7 +92,7 @@ def methods_of(cfg: ScaleConfig) -> list[str]:
 
 def bench_n(cfg: ScaleConfig, n: int) -> list[str]:
     # FEMNIST's shapes, D uniform in [0.5, 1.5]
-    data, params, loss, D = mlp_problem(n, rows=tuple(cfg.rows))
+    data, params, loss, D = mlp_problem(n, rows=cfg.rows)
     pers = output_layer_mask(params)
     kw = dict(clients_per_round=max(1, n // 10), batch_size=cfg.batch_size)
     bare = {}

@@ -552,7 +552,8 @@ def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
     ``table_<tag>.{md,csv}``; returns the rows.
     """
     read = lambda run: json.loads((pathlib.Path(out) / f"summary_{run}.json").read_text())
-    per_seed, chosen, source = protocol.merge_runs({run: read(run) for run in tags})
+    summaries = {run: read(run) for run in tags}
+    per_seed, chosen, source = protocol.merge_runs(summaries)
     rows = reporting.comparison_rows(per_seed, reference="Karula", paired="test_acc")
     for row in rows:
         choice = chosen[row["method"]]
@@ -582,25 +583,27 @@ def merge_runs(out: pathlib.Path, tags, tag: str) -> list[dict]:
     print(text + "\n" + "\n".join(notes))
     page = pathlib.Path(out) / "README.md"
     if page.is_file():  # the results page, written by hand: only its header is the run's
-        provenance.stamp_page(page, merged_runs_header(out, tags))
+        provenance.stamp_page(page, merged_runs_header(out, summaries))
     return rows
 
 
-def merged_runs_header(out: pathlib.Path, tags) -> str:
-    """The FEMNIST page's run header for a table merged from the runs ``tags``: each run's
-    date and commit (its summary's ``provenance``; for a run that predates it, the commit
-    that added its summary), wall time, jax version and devices."""
+def merged_runs_header(out: pathlib.Path, summaries: Mapping[str, dict]) -> str:
+    """The FEMNIST page's run header for a table merged from the runs ``summaries``
+    (``{tag: its summary_<tag>.json in out}``): each run's date and commit (its summary's
+    ``provenance``; for a run that predates it, the commit that added its summary), wall
+    time, jax version and devices."""
     runs, machines = [], set()
-    for run in tags:
-        path = pathlib.Path(out) / f"summary_{run}.json"
-        summary = json.loads(path.read_text())
+    for run, summary in summaries.items():
         facts = summary.get("provenance")
         if facts:
             when = f"{facts['date']}, commit {facts['commit']}"
-            machines.add(f"{facts['cpu']}, {facts['cores']} cores; JAX devices: {facts['devices']}")
+            machines.add(provenance.machine_text(facts))
         else:
-            origin = provenance.committed(path)
-            when = "added in commit {1}, {0}".format(*origin[::-1]) if origin else "not recorded"
+            origin = provenance.committed(pathlib.Path(out) / f"summary_{run}.json")
+            when = "not recorded"
+            if origin:
+                commit, date = origin
+                when = f"added in commit {commit}, {date}"
             devices = ", ".join(summary.get("devices") or ["not recorded"])
             machines.add(f"not recorded by the run; JAX devices: {devices}")
         wall = summary.get("total_seconds")

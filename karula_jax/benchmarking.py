@@ -203,10 +203,11 @@ def bench_page(title: str, header: str, *parts: str | tuple[str, Sequence[str]])
     return "\n".join([f"# {title}\n", header, *body])
 
 
-def publish(text: str, out: pathlib.Path, *, quick: bool) -> None:
-    """Prints a bench's page and writes it to ``out`` (missing folders are created)
-    unless it was a quick run."""
-    print(text)
+def publish(text: str, out: pathlib.Path, *, quick: bool, echo: bool = True) -> None:
+    """Prints a bench's page (unless ``echo`` is False) and writes it to ``out`` (missing
+    folders are created) unless it was a quick run."""
+    if echo:
+        print(text)
     if not quick:
         out = pathlib.Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ __all__ = [
     "HEADER_BEGIN",
     "HEADER_END",
     "committed",
+    "machine_text",
     "provenance_header",
     "run_provenance",
     "stamp_page",
@@ -112,8 +113,14 @@ def provenance_header(provenance: dict[str, Any], *, seconds: float | None = Non
     commit = p["commit"] + (" with uncommitted changes" if p.get("dirty") else "")
     wall = f"; {seconds:.0f} s wall" if seconds is not None else ""
     run = f"- **Run:** {p['date']}, commit {commit}, jax {p['jax']}, Python {p['python']}{wall}."
-    machine = f"- **Machine:** {p['cpu']}, {p['cores']} cores; JAX devices: {p['devices']}."
-    return f"{run}\n{machine}"
+    return f"{run}\n- **Machine:** {machine_text(p)}."
+
+
+def machine_text(provenance: dict[str, Any]) -> str:
+    """The machine of :func:`run_provenance`'s facts: ``"AMD EPYC, 2 cores; JAX devices:
+    2 x cpu"``."""
+    p = provenance
+    return f"{p['cpu']}, {p['cores']} cores; JAX devices: {p['devices']}"
 
 
 def stamp_page(page: str | os.PathLike, header: str) -> bool:

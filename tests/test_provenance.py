@@ -91,13 +91,13 @@ def test_merged_femnist_header_takes_each_runs_own_facts(tmp_path):
     from experiments import femnist
 
     facts = FACTS | {"date": "2026-12-03", "commit": "abc1234"}
-    (tmp_path / "summary_a.json").write_text(
-        json.dumps({"provenance": facts, "total_seconds": 1234.0, "jax_version": "0.12.0"})
-    )
-    (tmp_path / "summary_b.json").write_text(
-        json.dumps({"devices": ["cpu:0"], "total_seconds": 60.4, "jax_version": "0.10.2"})
-    )
-    header = femnist.merged_runs_header(tmp_path, ["a", "b"])
+    summaries = {
+        "a": {"provenance": facts, "total_seconds": 1234.0, "jax_version": "0.12.0"},
+        "b": {"devices": ["cpu:0"], "total_seconds": 60.4, "jax_version": "0.10.2"},
+    }
+    for run, summary in summaries.items():
+        (tmp_path / f"summary_{run}.json").write_text(json.dumps(summary))
+    header = femnist.merged_runs_header(tmp_path, summaries)
     run, machine = header.splitlines()
     assert run.startswith("- **Runs:** the verdict table merged from 2 runs: ")
     assert "`a` (2026-12-03, commit abc1234; jax 0.12.0; 1,234 s wall)" in run
