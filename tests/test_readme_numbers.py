@@ -5,6 +5,7 @@ table of the folder the row links; a table copied into a results page must have 
 of the table file with the same header. Text against text: no tolerance.
 """
 
+import json
 import pathlib
 import re
 
@@ -77,3 +78,24 @@ def test_hand_collected_femnist_table_quotes_the_fixed_rate_tables():
         for cell, table in zip(cells[2:6], tables, strict=True):
             (number,) = re.findall(r"\d+\.\d ± \d+\.\d", cell)
             assert f"| {method} | {number} |" in table, (method, number)
+
+
+def test_hand_collected_five_fold_table_quotes_its_runs():
+    # the page's Karula-vs-FedPer table: each row's accuracies, flattened counts and paired
+    # difference come from the run of its pixel convention
+    page = (REPO / "results/femnist/README.md").read_text().splitlines()
+    block = next(b for b in _blocks(page) if b[0].startswith("| pixels | Karula (%)"))
+    runs = {"inverted": "cv5w_invert", "LEAF's": "cv5w_leaf"}
+    assert len(block) == 2 + len(runs)
+    for row in block[2:]:
+        cells = [c.strip() for c in row.strip()[1:-1].split(" | ")]
+        folder, tag = REPO / "results/femnist", runs[cells[0]]
+        table = (folder / f"table_{tag}.md").read_text().splitlines()
+        rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table if "|" in line}
+        seeds = json.loads((folder / f"summary_{tag}.json").read_text())["config"]["seeds"]
+        for method, acc, share in (("Karula", *cells[1:4:2]), ("FedPer", *cells[4:7:2])):
+            assert rows[method][1] == acc, (tag, method, acc)
+            flattened = round(float(rows[method][9].split(" ±")[0]) * seeds)
+            assert share == f"{flattened} / {seeds}", (tag, method, share)
+        diff = re.findall(r"\d+\.\d ± \d+\.\d", cells[7])
+        assert diff == [] or diff[0] in rows["FedPer"][3], (tag, diff)
