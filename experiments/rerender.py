@@ -144,11 +144,9 @@ def _rewrite(patterns: Sequence[tuple[str, str]]) -> Callable[[list[str]], list[
 
 def _write_summary(folder: pathlib.Path, name: str, summary: dict, rows, per_seed, ratio):
     """The summary in the one layout: ``per_seed``, ``test_train_ratio``, the new rows
-    (with what the old rows held beyond the table, e.g. ``finite``)."""
+    (with what the old rows held beyond the table, e.g. ``finite``, in their key order)."""
     old = {r.get("method"): r for r in summary.get("rows", [])}
-    rows = [
-        {**{k: v for k, v in old.get(r["method"], {}).items() if k not in r}, **r} for r in rows
-    ]
+    rows = [{**old.get(r["method"], {}), **r} for r in rows]  # keeps the writer's key order
     summary = dict(summary) | {"per_seed": per_seed, "test_train_ratio": ratio, "rows": rows}
     reporting.write_json(summary, folder / name)
 
