@@ -1,4 +1,4 @@
-"""experiments.rerender on the committed results: the tables come back byte for byte."""
+"""experiments.rerender on the committed results: every table and summary comes back as it is."""
 
 import csv
 import io
@@ -43,13 +43,8 @@ def _same(a, b) -> bool:
 
 
 def _cells(text: str) -> list:
-    def value(cell: str):
-        try:
-            return float(cell)
-        except ValueError:
-            return cell
-
-    return [[value(c) for c in row] for row in csv.reader(io.StringIO(text))]
+    """A CSV file's cells, numbers as floats (the re-renderer's own cell parser)."""
+    return [[rerender._value(c) for c in row] for row in csv.reader(io.StringIO(text))]
 
 
 @pytest.mark.parametrize("name", FOLDERS)
