@@ -1,0 +1,302 @@
+"""Benchmark: what bounds Karula's round where constraints bind, measured in one process.
+
+For the binding MLP rounds of ``experiments.bench_scale`` (FEMNIST-shaped 784-100-10 MLP,
+output layer personalized, Karula at its default step, t = 1e-3, the Laplacian dual) this
+splits a Karula round into the round without its projection and the projection, and the
+projection into what its solver executes: dual evaluations (an inverse of ``M + L_lam``
+and two ``[n, n] x [n, k]`` products each), Hessian-vector products (two ``[n, n]``
+products each where the models span many dimensions), the reduction (centring and the
+rotation onto the span) and the rest (certificates, line searches). Each part's unit cost
+is timed on the captured problems and multiplied by how often the solver ran it (counted
+in a separate run whose solver reports every call to the host), so the table says what
+a target ratio against FedAvg's round leaves for the projection and how many Hessian
+products that budget affords at the measured number of evaluations: a measured floor
+for a solver of this class (one evaluation and CG products per Newton step).
+
+Command: ``python -m experiments.bench_floor [--FIELD VALUE ...] [--out FILE]`` writes
+``runs/bench/floor.md`` (``--out results/bench/floor.md`` refreshes the committed page);
+``--quick``: n = 20, one captured round (a smoke run, about 1 min; the tests run it).
+Runtime: about 5 min at the defaults on 2 CPU cores (n = 1000 dominates).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.paths import OUTPUT
+from karula_jax import algorithms as A
+from karula_jax.benchmarking import bench_page, compiled_round, mlp_problem, publish, run_header
+from karula_jax.models import output_layer_mask
+from karula_jax.projection import certificate, laplacian, pair_algebra, project, reduction
+from karula_jax.reporting import cli, markdown_table
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorConfig:
+    """Binding MLP rounds, captured and taken apart.
+
+    Expected (2 CPU cores): at n = 300 and 1000 the projection is 85-97% of Karula's
+    round and Hessian-vector products are most of the projection; at the targets of
+    issue 55 (3x FedAvg's round at n = 300, 10x at n = 1000) the budget affords fewer
+    Hessian products than the solver's measured CG steps.
+
+    Attributes:
+      sizes: numbers of clients n (``n // 10`` participate in a round).
+      targets: Karula's round against FedAvg's that each size is measured against (one
+        per size).
+      t: Karula's t (squared radii ``t * D``, D uniform in [0.5, 1.5]).
+      warmup: Karula rounds before the first captured one.
+      rounds: rounds captured (each: its projection timed alone and counted; the round,
+        the round without projection and FedAvg's round timed beside it).
+      reps: timed calls of each unit cost (median).
+      rows: the range of each client's rows.
+    """
+
+    sizes: tuple[int, ...] = (300, 1000)
+    targets: tuple[float, ...] = (3.0, 10.0)
+    t: float = 1e-3
+    warmup: int = 5
+    rounds: int = 3
+    reps: int = 3
+    rows: tuple[int, ...] = (150, 210)
+
+
+def quick(cfg: FloorConfig) -> FloorConfig:
+    """A smoke run at toy size."""
+    return dataclasses.replace(cfg, sizes=(20,), targets=(3.0,), warmup=1, rounds=1, reps=1)
+
+
+# The solver's calls that the counted run reports: (module, attribute) -> label.
+COUNTED = {
+    (laplacian, "hvp"): "hessian_products",
+    (laplacian, "dual_eval"): "evaluations",
+    (laplacian, "restore_and_certify"): "certificates",
+}
+
+
+@contextlib.contextmanager
+def counting(counts: collections.Counter):
+    """Programs traced inside report every call of :data:`COUNTED` to the host.
+
+    jax's caches are cleared on entry and on exit, so that a program compiled before
+    (the projection's jitted core) is traced again with the counters, and a program
+    compiled inside is not reused after."""
+    saved = {key: getattr(*key) for key in COUNTED}
+    jax.clear_caches()
+
+    def counted(fn, label):
+        def call(*args, **kwargs):
+            jax.debug.callback(lambda: counts.update([label]))
+            return fn(*args, **kwargs)
+
+        return call
+
+    try:
+        for (module, name), label in COUNTED.items():
+            setattr(module, name, counted(saved[(module, name)], label))
+        yield counts
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+        jax.clear_caches()
+
+
+def _median_ms(fn, *args, reps: int) -> float:
+    """Median milliseconds of ``fn(*args)`` over ``reps`` calls after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def _own(pers, params) -> list:
+    """The personalized leaves of ``params`` (``pers`` its boolean mask tree)."""
+    return [a for a, m in zip(jax.tree.leaves(params), jax.tree.leaves(pers), strict=True) if m]
+
+
+def unit_costs(v, r2, lam, reps: int) -> dict:
+    """Milliseconds of one reduction, dual evaluation and certificate (as the solver's
+    first phase takes them: distances from the Gram matrix above 96 clients),
+    Hessian-vector product and ``[n, n] x [n, k]`` product on the problem ``(v, r2)`` at
+    multipliers ``lam``."""
+    n, p = v.shape
+    rotate = p >= 2 * n  # as the Laplacian dual's registry row
+    red = reduction.reduce_problem(v, r2, rotate=rotate)
+    mask = certificate.dual_mask(red)
+    lam = jnp.where(mask, lam, 0.0)
+    ev = certificate.dual_eval(lam, red, gram=True)
+    x = jnp.where(mask & (lam > 0), 1.0, 0.0)
+    return {
+        "reduction": _median_ms(
+            jax.jit(lambda v: reduction.reduce_problem(v, r2, rotate=rotate).w), v, reps=reps
+        ),
+        "evaluation": _median_ms(
+            jax.jit(lambda lam: certificate.dual_eval(lam, red, gram=True).g), lam, reps=reps
+        ),
+        "hessian_product": _median_ms(
+            jax.jit(lambda x: pair_algebra.hvp(ev, mask, x)), x, reps=reps
+        ),
+        "certificate": _median_ms(
+            jax.jit(lambda th: certificate.restore_and_certify(th, ev.g, red, gram=n > 96)[1]),
+            ev.th,
+            reps=reps,
+        ),
+        "product": _median_ms(jax.jit(lambda a, w: a @ w), ev.a_inv, red.w, reps=reps),
+        "k": red.w.shape[1],
+    }
+
+
+def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
+    data, params, loss, D = mlp_problem(n, rows=cfg.rows)
+    pers = output_layer_mask(params)
+    kw = dict(clients_per_round=max(1, n // 10), batch_size=32)
+    make = functools.partial(
+        A.karula, loss, D, t=cfg.t, learning_rate=None, personalized=pers, **kw
+    )
+    algs = {
+        "fedavg": A.fedavg(loss, learning_rate=0.05, local_steps=5, **kw),
+        "karula": make(projection_method="laplacian"),
+        "bare": make(projection_method="none"),  # the same round, projection skipped
+    }
+    key = jax.random.PRNGKey(0)
+    states = {k: jax.block_until_ready(a.init(params, data, key=key)) for k, a in algs.items()}
+    fns = {k: compiled_round(a.round, states[k], data)[0] for k, a in algs.items()}
+    for _ in range(cfg.warmup):
+        states["karula"], _ = jax.block_until_ready(fns["karula"](states["karula"], data))
+    r2 = A.radii_squared(cfg.t, D)
+
+    def projection(v, warm):  # as Karula's round calls it (its default tol and cap)
+        return project(v, r2, warm_start=warm, method="laplacian", tol=1e-6, max_iter=1000)
+
+    solve = jax.jit(projection)
+    rows = collections.defaultdict(list)
+    for _ in range(cfg.rounds):
+        # The round's projection problem: the same round without its projection (same
+        # participants and minibatches: both derive them from the state's key and round).
+        start = states["karula"]
+        copy = jax.block_until_ready(jax.tree.map(jnp.copy, start))
+        bare_state, _ = jax.block_until_ready(fns["bare"](copy, data))
+        v = _own(pers, bare_state.params)
+        warm = start.proj_state
+        theta, info = jax.block_until_ready(solve(v, warm))
+        rows["projection_ms"].append(_median_ms(solve, v, warm, reps=cfg.reps))
+        counts = collections.Counter()
+        with counting(counts):
+            jax.block_until_ready(solve(v, warm))
+            jax.effects_barrier()
+        for label in COUNTED.values():
+            rows[label].append(counts[label])
+        rows["iterations"].append(int(info.iterations))
+        lam = np.asarray(info.state.lam)
+        rows["active"].append(np.count_nonzero(np.triu(lam, 1)) / (n * (n - 1) / 2))
+        # the three rounds, in turn, each from a copy of the same state
+        for name in ("fedavg", "bare", "karula"):
+            state = states["fedavg"] if name == "fedavg" else start
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+            t0 = time.perf_counter()
+            out, _ = jax.block_until_ready(fns[name](state, data))
+            rows[name + "_ms"].append(1e3 * (time.perf_counter() - t0))
+            if name == "fedavg":
+                states["fedavg"] = out
+        states["karula"] = out
+        # the captured problem is the round's: its projection equals the round's output
+        got = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in _own(pers, out.params)], 1)
+        want = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in theta], 1)
+        scale = float(jnp.max(jnp.abs(want))) or 1.0
+        rows["capture_error"].append(float(jnp.max(jnp.abs(got - want))) / scale)
+    flat = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in v], 1)
+    units = unit_costs(flat, r2, warm.lam, cfg.reps)
+    return {
+        "n": n,
+        "target": target,
+        **{k: float(np.median(x)) for k, x in rows.items()},
+        "capture_error": max(rows["capture_error"]),
+        **units,
+    }
+
+
+ROUND_HEAD = (
+    "n | pairs with lam > 0 | FedAvg ms | Karula ms | ratio | round without projection ms"
+    " | projection ms (alone) | target | budget for the projection ms"
+)
+ANATOMY_HEAD = (
+    "n | k | Newton iterations | evaluations | Hessian products | certificates | reduction ms"
+    " | evaluation ms | Hessian product ms | certificate ms | [n, n] x [n, k] product ms"
+    " | explained share of the projection | evaluations and certificates ms"
+    " | Hessian products the budget affords"
+)
+
+
+def rows_of(result: dict) -> tuple[str, str]:
+    r = result
+    budget = r["target"] * r["fedavg_ms"] - r["bare_ms"]
+    fixed_ms = r["evaluations"] * r["evaluation"] + r["certificates"] * r["certificate"]
+    explained = (r["reduction"] + fixed_ms + r["hessian_products"] * r["hessian_product"]) / r[
+        "projection_ms"
+    ]
+    afford = (budget - r["reduction"] - fixed_ms) / r["hessian_product"]
+    round_row = (
+        f"{r['n']} | {100 * r['active']:.1f}% | {r['fedavg_ms']:.1f} | {r['karula_ms']:.1f} | "
+        f"{r['karula_ms'] / r['fedavg_ms']:.1f}x | {r['bare_ms']:.1f} | "
+        f"{r['projection_ms']:.1f} | {r['target']:g}x | {budget:.1f}"
+    )
+    anatomy_row = (
+        f"{r['n']} | {r['k']} | {r['iterations']:.0f} | {r['evaluations']:.0f} | "
+        f"{r['hessian_products']:.0f} | {r['certificates']:.0f} | {r['reduction']:.1f} | "
+        f"{r['evaluation']:.2f} | {r['hessian_product']:.2f} | {r['certificate']:.2f} | "
+        f"{r['product']:.2f} | {100 * explained:.0f}% | {fixed_ms:.1f} | {max(afford, 0.0):.0f}"
+    )
+    return round_row, anatomy_row
+
+
+def to_markdown(cfg, argv, results) -> str:
+    rows = [rows_of(r) for r in results]
+    worst = max(r["capture_error"] for r in results)
+    return bench_page(
+        "What bounds Karula's round where constraints bind",
+        run_header("experiments.bench_floor", argv, cfg),
+        "Medians over the captured rounds (rounds "
+        f"{cfg.warmup + 1}-{cfg.warmup + cfg.rounds}); rounds timed in turn in one process. "
+        "Budget for the projection: target x FedAvg's round - the round without "
+        "projection.\n",
+        (ROUND_HEAD, [a for a, _ in rows]),
+        "\nThe projection taken apart: calls counted in a separate run, unit costs timed on "
+        "the last captured problem, each a compiled call of its own, so one dispatch "
+        "included (k: coordinates after the reduction). Explained share: (reduction + "
+        "evaluations x evaluation + certificates x certificate + Hessian products x "
+        "product) / projection; the rest is line searches, CG's vector updates and loop "
+        "control. Hessian products the budget affords: (budget - reduction - the measured "
+        "evaluations and certificates) / one product.\n",
+        (ANATOMY_HEAD, [b for _, b in rows]),
+        f"\nCaptured problems against the rounds' own projections: largest difference "
+        f"{worst:.1e} of the largest coordinate.\n",
+    )
+
+
+def main(argv=None) -> None:
+    out = OUTPUT / "bench/floor.md"
+    cfg, args = cli(FloorConfig, argv, quick=quick, description=__doc__, out=out)
+    if len(cfg.targets) != len(cfg.sizes):
+        raise ValueError(
+            f"targets must give one ratio per size ({len(cfg.sizes)}), got {cfg.targets}"
+        )
+    results = []
+    for n, target in zip(cfg.sizes, cfg.targets, strict=True):
+        results.append(bench_n(cfg, n, target))
+        print(markdown_table(ROUND_HEAD, [rows_of(results[-1])[0]]), flush=True)
+    publish(to_markdown(cfg, argv, results), args.out, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
