@@ -1,4 +1,4 @@
-"""experiments.bench_floor: its call counting and its quick run."""
+"""experiments.bench_floor: its call counting, its arithmetic and its quick run."""
 
 import collections
 
@@ -9,31 +9,62 @@ import pytest
 
 from experiments import bench_floor as bf
 from experiments.bench_projection import make_instance
-from karula_jax.projection import laplacian, project
+from karula_jax.projection import project
+
+
+def _solver_functions():
+    return tuple(getattr(module, name) for module, name in bf.COUNTED)
 
 
 def test_counting_sees_every_solver_call_and_changes_nothing():
-    # A cold projection with violated pairs: the counted run reports at least one
-    # evaluation per Newton iteration and CG products, returns the same point as the
-    # uncounted run, and the solver's own functions are back in place afterwards.
+    # A cold projection with violated pairs (n = 9: every certificate by explicit
+    # differences). Counted per execution, not per trace: one certificate at the start
+    # of each phase and one a Newton step, so exactly iterations + 2; at least one
+    # evaluation a step and CG products. The counted run returns the uncounted point, the
+    # solver's functions are back afterwards, and a program traced after the block
+    # reports nothing (the caches were cleared on exit).
     v, r2 = (jnp.asarray(a, jnp.float32) for a in make_instance(9, 5))
-    saved = (laplacian.hvp, laplacian.dual_eval, laplacian.restore_and_certify)
+    saved = _solver_functions()
 
     def solve(v):
         return project(v, r2, method="laplacian", tol=1e-6)
 
-    plain, info = jax.jit(solve)(v)
+    plain, info = jax.jit(solve)(v)  # compiled before the block: must be traced again
     counts = collections.Counter()
     with bf.counting(counts):
         counted, counted_info = jax.jit(solve)(v)
         jax.effects_barrier()
-    assert (laplacian.hvp, laplacian.dual_eval, laplacian.restore_and_certify) == saved
-    assert int(info.iterations) > 0
-    assert counts["evaluations"] >= int(info.iterations) + 1
-    assert counts["hessian_products"] >= int(info.iterations)
-    assert counts["certificates"] >= int(info.iterations) + 1
-    np.testing.assert_array_equal(np.asarray(counted), np.asarray(plain))
-    assert int(counted_info.iterations) == int(info.iterations)
+    iterations = int(info.iterations)
+    assert _solver_functions() == saved
+    assert iterations > 0 and int(counted_info.iterations) == iterations
+    assert counts["certificates_exact"] == iterations + 2
+    assert counts["certificates_gram"] == 0
+    assert counts["evaluations"] >= iterations + 1
+    assert counts["hessian_products"] >= iterations
+    np.testing.assert_allclose(np.asarray(counted), np.asarray(plain), rtol=0, atol=1e-6)
+    before = dict(counts)
+    jax.block_until_ready(jax.jit(solve)(v))
+    jax.effects_barrier()
+    assert dict(counts) == before
+
+
+def test_rows_state_the_budget_and_what_it_affords():
+    # budget 3 x 10 - 4 = 26 ms; around the solver 0.5 + 1 + 0.5 = 2; fixed 2 + 2 x 1.5
+    # + 3 x 1 + 1 x 2 = 10; affords (26 - 10) / 0.5 = 32 products; explained (10 + 8 x
+    # 0.5) / 12.5 = 112%
+    result = dict(
+        n=7, target=3.0, fedavg_ms=10.0, karula_ms=20.0, bare_ms=4.0, projection_ms=12.5,
+        active=0.25, k=5, iterations=3, evaluations=2, hessian_products=8,
+        certificates_gram=3, certificates_exact=1, screen=0.5, reduction=1.0,
+        violation_check=0.5, evaluation=1.5, hessian_product=0.5, certificate_gram=1.0,
+        certificate_exact=2.0,
+    )  # fmt: skip
+    round_row, anatomy = ([c.strip() for c in row.split("|")] for row in bf.rows_of(result))
+    assert round_row[4] == "2.0x" and round_row[-1] == "26.0"
+    assert anatomy[5] == "3 / 1" and anatomy[6] == "2.0"
+    assert anatomy[-3:] == ["112%", "10.0", "32"]
+    # a budget below the fixed costs affords nothing
+    assert bf.rows_of({**result, "target": 1.0})[1].split("|")[-1].strip() == "0"
 
 
 def test_quick_run_prints_both_tables_with_the_active_share(capsys, tmp_path):
@@ -49,10 +80,13 @@ def test_quick_run_prints_both_tables_with_the_active_share(capsys, tmp_path):
     assert len(rows) == 2
     round_row, anatomy = rows
     assert round_row[1].endswith("%") and 0 < float(round_row[1][:-1]) <= 100
-    # evaluations and Hessian products were counted (the projection binds at t = 1e-3)
+    # evaluations, Hessian products and certificates were counted (t = 1e-3 binds)
     assert int(anatomy[3]) > 0 and int(anatomy[4]) > 0
+    gram, exact = (int(c) for c in anatomy[5].split(" / "))
+    assert gram == 0 and exact == int(anatomy[2]) + 2  # n = 20: all exact
     worst = float(page.split("largest difference ")[1].split()[0])
     assert worst < 1e-4  # the captured problem is the round's (float32 rounding)
+    assert "The counted runs took the timed runs' iterations in 1 of them" in page
 
 
 def test_one_target_per_size_is_required():
