@@ -4,7 +4,7 @@ For the binding MLP rounds of ``experiments.bench_scale`` (FEMNIST-shaped 784-10
 output layer personalized, Karula at its default step, t = 1e-3, the Laplacian dual) this
 splits a Karula round into the round without its projection and the projection, and the
 projection into the solver and what runs around it (the screen, the reduction onto the
-span, the map back and the exact violation check). The solver's calls are counted in a
+span and the exact violation check of the answer). The solver's calls are counted in a
 separate run whose solver reports every call to the host: dual evaluations (an inverse of
 ``M + L_lam``, ``theta`` by an ``[n, n] x [n, k]`` product and its Gram matrix),
 Hessian-vector products (two ``[n, n]`` products where the models span many dimensions)
@@ -45,6 +45,7 @@ from karula_jax.benchmarking import (
 )
 from karula_jax.models import output_layer_mask
 from karula_jax.projection import (
+    api,
     certificate,
     laplacian,
     pair_algebra,
@@ -144,6 +145,12 @@ def _own(pers, params) -> list:
     return [a for a, m in zip(jax.tree.leaves(params), jax.tree.leaves(pers), strict=True) if m]
 
 
+def _flat(leaves, n: int):
+    """Leaves with a leading client axis ``n`` as one ``[n, p]`` matrix, in leaf order (as
+    the projection flattens them)."""
+    return jnp.concatenate([jnp.reshape(a, (n, -1)) for a in leaves], axis=1)
+
+
 def unit_costs(v, r2, warm, reps: int) -> dict:
     """Milliseconds of what a projection of ``v`` [n, p] runs around its solver (the
     screen's Gram product, the reduction onto the span, the exact violation check of the
@@ -162,15 +169,12 @@ def unit_costs(v, r2, warm, reps: int) -> dict:
     def cert(th, gram):
         return certificate.restore_and_certify(th, ev.g, red, gram=gram)[1]
 
-    def violation(v, r2):  # as the projection checks its answer: explicit differences
-        d = jnp.sqrt(reduction.sq_dists_exact(v))
-        return jnp.max(jnp.where(jnp.isfinite(r2), d - jnp.sqrt(r2), 0.0))
-
     timed = lambda fn, *args: _median_ms(compile_loops(jax.jit(fn), *args), *args, reps=reps)
     return {
-        "screen": timed(lambda v: v @ v.T, v),
+        # the projection's own screen and check (explicit differences) of its answer
+        "screen": timed(lambda v, r2: api._screen(v, r2).beta, v, r2),
         "reduction": timed(lambda v, r2: reduction.reduce_problem(v, r2, rotate=rotate), v, r2),
-        "violation_check": timed(violation, v, r2),
+        "violation_check": timed(lambda v, r2: api._violation(v, r2)[0], v, r2),
         "evaluation": timed(lambda lam: certificate.dual_eval(lam, red, gram=True).g, lam),
         "hessian_product": timed(lambda x: pair_algebra.hvp(ev, mask, x), x),
         "certificate_gram": timed(lambda th: cert(th, True), ev.th),
@@ -237,13 +241,11 @@ def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
                 states["fedavg"] = out
         states["karula"] = out
         # the captured problem is the round's: its projection equals the round's output
-        got = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in _own(pers, out.params)], 1)
-        want = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in theta], 1)
+        got, want = _flat(_own(pers, out.params), n), _flat(theta, n)
         scale = float(jnp.max(jnp.abs(want))) or 1.0
         rows["capture_error"].append(float(jnp.max(jnp.abs(got - want))) / scale)
         rows["round_iterations"].append(int(round_info.proj_iterations))
-    flat = jnp.concatenate([jnp.reshape(a, (n, -1)) for a in v], 1)
-    units = unit_costs(flat, r2, warm, cfg.reps)
+    units = unit_costs(_flat(v, n), r2, warm, cfg.reps)
     same = lambda a: sum(x == y for x, y in zip(rows[a], rows["iterations"], strict=True))
     return {
         "n": n,
@@ -318,10 +320,11 @@ def to_markdown(cfg, argv, results) -> str:
         "\nThe projection taken apart: the solver's calls counted in a separate run, unit "
         "costs timed on the last captured problem, each a compiled call of its own (one "
         "dispatch included; k: coordinates after the reduction). Around the solver: the "
-        "screen's Gram product, the reduction onto the span and the exact violation check "
-        "of the answer. Fixed costs: around the solver + the evaluations and certificates. "
-        "Explained share: (fixed costs + Hessian products x Hessian product) / projection; "
-        "the rest is line searches, CG's vector updates and loop control. Hessian "
+        "screen, the reduction onto the span and the exact violation check of the answer "
+        "(the map back is in the rest). Fixed costs: around the solver + the evaluations "
+        "and certificates. Explained share: (fixed costs + Hessian products x Hessian "
+        "product) / projection; the rest is line searches, CG's vector updates, the map "
+        "back and loop control. Hessian "
         "products the budget affords: (budget - fixed costs) / one Hessian product.\n",
         (ANATOMY_HEAD, [b for _, b in rows]),
         f"\nCaptured problems against the rounds' own projections: largest difference "
