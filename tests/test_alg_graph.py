@@ -32,6 +32,7 @@ from _alg_problems import (
     zeros,
 )
 from _tolerances import EPS32, EPS64, reordered_sum
+from jax.extend import core as jax_core
 from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.cluster.vq import kmeans2
 from scipy.spatial.distance import squareform
@@ -41,11 +42,13 @@ from karula_jax.algorithms import (
     clustered,
     clustered_fedavg,
     fedavg,
+    graph_laplacian,
     graph_weights,
     karula,
     karula_learning_rate,
     laplacian_penalty,
 )
+from karula_jax.training import vmap_algorithm
 
 FULL = 64
 run = jax.jit(scan_run, static_argnums=(0, 4))
@@ -350,6 +353,51 @@ def test_laplacian_penalty_compiles_once_for_traced_mu_and_D():
         # eigenvectors are orthogonal to about n eps (n more roundings each way)
         bound = _run_error(data, eta, 2500, ref, extra=4 * N_CLIENTS)
         assert np.linalg.norm(theta - ref) <= bound, mu
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of every primitive in ``jaxpr``, inside loops and branches too."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax_core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+def test_laplacian_penalty_decomposes_a_traced_graph_once_per_run_not_every_round():
+    """A batched run builds the algorithm inside every round (``vmap_algorithm``): the
+    eigendecomposition of a member's traced D belongs to ``init`` (state.extra), and the
+    round applies it without decomposing again."""
+    data, eta = problem().train, _eta(problem().train)
+    D = jnp.stack([jnp.asarray(true_dissimilarity(), jnp.float32)] * 2)
+    alg = vmap_algorithm(
+        lambda D, mu: laplacian_penalty(LOSS, D, mu=mu, learning_rate=eta,
+                                        clients_per_round=2, batch_size=FULL),
+        {"mu": jnp.array([0.1, 1.0])},
+        batch_kwargs={"D": D},
+    )  # fmt: skip
+    keys, params = jax.random.split(jax.random.key(0), 2), zeros()
+    state = alg.init(params, data, key=keys)
+    init_ops = _primitives(jax.make_jaxpr(lambda k: alg.init(params, data, key=k))(keys).jaxpr)
+    assert "eigh" in init_ops
+    round_ops = _primitives(jax.make_jaxpr(alg.round)(state, data).jaxpr)
+    assert "dot_general" in round_ops and "eigh" not in round_ops
+    # The spectrum carried is the Laplacian's own: U diag(lam) U^T = L(W(D)) up to a float32
+    # eigh's backward error (~ n eps |L|) and the eigenvalues zeroed below 10 n eps lam_max
+    # (lam_max <= 2 max |L_ii|): at most 30 n eps max |L| together.
+    lam, U = state.extra.eigenvalues[0, 0], state.extra.eigenvectors[0, 0]
+    L = np.asarray(graph_laplacian(graph_weights(D[0])), np.float64)
+    rebuilt = (
+        np.asarray(U, np.float64)
+        @ np.diag(np.asarray(lam, np.float64))
+        @ np.asarray(U, np.float64).T
+    )
+    assert np.max(np.abs(rebuilt - L)) <= 30 * N_CLIENTS * EPS32 * np.max(np.abs(L))
 
 
 # --------------------------------------------------------------------------- clustering

@@ -53,7 +53,12 @@ from karula_jax.algorithms.ditto import ditto
 from karula_jax.algorithms.fedprox import fedprox
 from karula_jax.algorithms.ifca import IFCAState, ifca, ifca_assign
 from karula_jax.algorithms.karula import KarulaExtra, karula, radii_squared
-from karula_jax.algorithms.laplacian import graph_laplacian, graph_weights, laplacian_penalty
+from karula_jax.algorithms.laplacian import (
+    LaplacianExtra,
+    graph_laplacian,
+    graph_weights,
+    laplacian_penalty,
+)
 from karula_jax.algorithms.pfedme import pfedme
 from karula_jax.algorithms.ridge import lipschitz_logistic, lipschitz_ridge
 from karula_jax.algorithms.scaffold import scaffold
@@ -69,6 +74,7 @@ __all__ = [
     "FedState",
     "IFCAState",
     "KarulaExtra",
+    "LaplacianExtra",
     "LossFn",
     "RoundInfo",
     "client_smoothness",

@@ -13,14 +13,17 @@ proximal step of the penalty::
     m_i   = G_i                                       for i in S
     theta = (I + eta mu L)^{-1} (theta - eta nu)      (along the client axis)
 
-The inverse is applied through ``L = U diag(lambda) U^T``, computed once when the
-algorithm is built, so it is exact and stable for every ``mu`` in ``[0, inf]`` and works
-for a traced ``mu``.
+The inverse is applied through ``L = U diag(lambda) U^T``, so it is exact and stable for
+every ``mu`` in ``[0, inf]`` and works for a traced ``mu``. The decomposition is computed
+once per run: when the algorithm is built for a concrete ``D`` (float64 numpy), else by
+``init`` (float32), and carried in ``state.extra`` (:class:`LaplacianExtra`). Batched
+runs (``training.run_many``) build the algorithm inside every round, so a decomposition
+made at build time from a traced ``D`` would be made again each round.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +52,21 @@ from karula_jax.algorithms.base import Algorithm, FedState, LossFn
 from karula_jax.algorithms.variance_reduction import init_memory, saga_round
 from karula_jax.data.clients import ClientData
 
-__all__ = ["graph_laplacian", "graph_weights", "laplacian_penalty"]
+__all__ = ["LaplacianExtra", "graph_laplacian", "graph_weights", "laplacian_penalty"]
+
+
+class LaplacianExtra(NamedTuple):
+    """The Laplacian penalty's ``FedState.extra``: the spectrum of the graph Laplacian
+    ``L = U diag(eigenvalues) U^T`` that every round's proximal step applies.
+
+    Attributes:
+      eigenvalues: ``[n]`` float32, ascending, ``>= 0``; exactly 0 on the null space (one
+        per connected component of the graph).
+      eigenvectors: ``[n, n]`` float32, orthonormal columns ``U``.
+    """
+
+    eigenvalues: jnp.ndarray
+    eigenvectors: jnp.ndarray
 
 
 def graph_weights(D, *, scale=None) -> jnp.ndarray:
@@ -230,7 +247,8 @@ def laplacian_penalty(
 
     Returns:
       An :class:`Algorithm`: ``init(params, data, *, key)`` starts every client from
-      ``params`` and fills the SAGA memory with one minibatch gradient per client;
+      ``params``, fills the SAGA memory with one minibatch gradient per client and holds
+      the Laplacian's spectrum (``state.extra``, a :class:`LaplacianExtra`);
       ``client_params`` is each client's own model. ``RoundInfo`` has no projection
       statistics (zeros); ``finite`` flags NaN/inf.
 
@@ -248,7 +266,10 @@ def laplacian_penalty(
     check_weights(weights)
     check_personalized(personalized)
     n = jnp.shape(D)[0]
-    lam, U = _spectrum(_weight_matrix(D, graph_weights, n))
+    # Known weights (numpy float64) are decomposed here, once; traced ones by init, since
+    # a batched run builds the algorithm again inside every round (where W goes unused).
+    W = _weight_matrix(D, graph_weights, n)
+    spectrum = _spectrum(W) if isinstance(W, np.ndarray) else None
     D = jnp.asarray(D, jnp.float32)
     mu = jnp.asarray(mu, jnp.float32)
 
@@ -268,11 +289,12 @@ def laplacian_penalty(
         theta = broadcast(params, n)
         alpha = resolve_weights(weights, data)
         memory = init_memory(loss, theta, data, alpha, key_init, B)
+        lam, U = spectrum if spectrum is not None else _spectrum(W)
         return FedState(
             params=theta,
             memory=memory,
             proj_state=(),
-            extra=(),
+            extra=LaplacianExtra(lam, U),
             key=key_run,
             round=jnp.zeros((), jnp.int32),
         )
@@ -286,6 +308,7 @@ def laplacian_penalty(
         )
         eta = learning_rate
         theta_half = jax.tree.map(lambda th, d: th - eta * d, state.params, nu)
+        lam, U = state.extra
         theta = _prox(theta_half, _flags(theta_half), _shrink_factors(lam, eta, mu), U)
         info = round_info(values, a_s, mask, all_finite(values, G, theta))
         return state._replace(params=theta, memory=memory, round=state.round + 1), info
