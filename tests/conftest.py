@@ -31,6 +31,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 4.6-5.1 s against 7.7-8.3 s, a Karula round in 1.5 s against 2.6-3.2 s; the whole suite
 # (-n 2, 807 tests, all passing either way) in 456 s against 699 s, its summed test
 # durations 870 s against 1,372 s (2026-11-29, run back to back).
+# jax 0.12's XLA has no such switch; its --xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE
+# is no substitute (test_projection.py and test_alg_baselines.py, -n 2, back to back: 278 s
+# against 258 s without it), so it is not set.
 _TEST_XLA_FLAGS = (
     ("--xla_backend_optimization_level", "0"),
     ("--xla_cpu_multi_thread_eigen", "false"),
