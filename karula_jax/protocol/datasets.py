@@ -203,6 +203,12 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
       ``(D [B, n, n], info)``, ``info`` with a leading member axis. With several devices
       in one process the members are split over :func:`~karula_jax.training.batch_mesh`
       (each device embeds its own; the same values).
+
+    On the CPU the members are embedded one after another (``lax.map``), on accelerators
+    side by side (``vmap``): a vmapped Sinkhorn loop runs every member's batch of clients
+    until the slowest solve of all members stops, in turn each batch stops with its own
+    slowest. Both give each solve's own answer within its stopping threshold (a solve
+    checked in another program's order may stop at another iterate).
     """
     num_members = int(jax.tree.leaves(train)[0].shape[0])
     counts = np.asarray(train.counts) if is_concrete(train.counts) else None
@@ -213,7 +219,16 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
             f"row per client), member {b}'s client {i} has none"
         )
     keys = key if jnp.ndim(key) else jnp.broadcast_to(key, (num_members,))
-    members = jax.vmap(lambda d, k: dissimilarities(d, key=k, **options))
+
+    def one(d, k):
+        return dissimilarities(d, key=k, **options)
+
+    if jax.default_backend() == "cpu":
+        # the synthetic study's 60 members of 30 clients: Sinkhorn iterations 80 a solve
+        # (median), 280 the slowest; in turn 7.2 s against 15.9 s vmapped (after compiling)
+        members = lambda d, k: jax.lax.map(lambda member: one(*member), (d, k))  # noqa: E731
+    else:
+        members = jax.vmap(one)
     members = split_members(members, default_batch_mesh(num_members), (0, 0))
     # Sinkhorn loops: compiled like a run's rounds (LLVM level 2 on the CPU)
     return compile_loops(jax.jit(members), train, keys)(train, keys)
