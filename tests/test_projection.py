@@ -15,6 +15,7 @@ import pytest
 from _projection_reference import cvxpy_projection
 from _tolerances import EPS32, EPS64, certified_distance, reordered_sum
 
+from karula_jax import _platform
 from karula_jax import projection as proj
 from karula_jax.projection import api as proj_api
 
@@ -467,7 +468,7 @@ def test_vmapped_members_are_solved_as_if_alone(method, in_turn, monkeypatch):
     accelerator's, forced here): in the lockstep batch the members that a screen answered
     or that stopped skip the solver's loops without changing anyone's result. A nested
     vmap gives the same answers."""
-    monkeypatch.setattr(proj_api, "_in_turn_here", lambda: in_turn)
+    monkeypatch.setattr(_platform, "members_in_turn", lambda: in_turn)
     jax.clear_caches()  # the batched jaxprs of the other mode are cached
     v, radii_sq = _instance(21, 7, 4, "uneven")
     sq = np.sum((v[:, None] - v[None]) ** 2, axis=-1)

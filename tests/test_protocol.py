@@ -12,6 +12,7 @@ import pytest
 from _alg_problems import power_shortfall
 from _tolerances import EPS32, EPS64, reordered_sum
 
+from karula_jax import _platform
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
 from karula_jax.algorithms._sampling import init_and_run_keys
@@ -531,21 +532,32 @@ def test_a_new_method_is_one_registry_row():
     np.testing.assert_allclose(out["Damped local"].metrics["mse"], want.metrics["mse"], rtol=rtol)
 
 
-def test_member_dissimilarities_match_one_call_per_member():
-    train = stack_datasets([_data(s, (6, 9, 4)) for s in range(2)])
-    keys = jax.random.split(jax.random.key(0), 2)
+@pytest.mark.parametrize("in_turn", [True, False], ids=["in_turn", "vmapped"])
+def test_member_dissimilarities_match_one_call_per_member(in_turn, monkeypatch):
+    # members in turn (the CPU's rule) or vmapped (an accelerator's, forced here): each
+    # member's D and iterations are those of its own call; one key, typed or raw, is
+    # every member's key
+    monkeypatch.setattr(_platform, "members_in_turn", lambda: in_turn)
+    train = stack_datasets([_data(s, (6, 9, 4)) for s in range(3)])
+    keys = jax.random.split(jax.random.key(0), 3)
     opts = dict(num_reference=8, epsilon=0.5)
     D, info = member_dissimilarities(train, keys, **opts)
     shared, _ = member_dissimilarities(train, keys[0], **opts)
-    assert D.shape == (2, 3, 3) and info.converged.shape == (2, 3)
-    for b in range(2):
+    raw, _ = member_dissimilarities(train, jax.random.key_data(keys[0]), **opts)
+    assert D.shape == (3, 3, 3) and info.converged.shape == (3, 3)
+    np.testing.assert_array_equal(np.asarray(raw), np.asarray(shared))
+    for b in range(3):
         member = jax.tree.map(lambda a, b=b: a[b], train)
         # each Sinkhorn solve stops once its marginal L1 error is below the threshold, and
         # another program's order stops at another iterate: the barycentric maps, and the
         # mean distances between them that make D, differ by up to that threshold of D
-        want = np.asarray(dissimilarities(member, key=keys[b], **opts)[0])
-        atol = DEFAULT_THRESHOLD * np.abs(want).max()
-        np.testing.assert_allclose(np.asarray(D[b]), want, rtol=0, atol=atol)
+        want, want_info = dissimilarities(member, key=keys[b], **opts)
+        atol = DEFAULT_THRESHOLD * np.abs(np.asarray(want)).max()
+        np.testing.assert_allclose(np.asarray(D[b]), np.asarray(want), rtol=0, atol=atol)
+        # a stop one threshold check later or earlier in each of the two Sinkhorn phases
+        # (accelerated, then plain): a block of inner_iterations (10, the default) each
+        diff = np.abs(np.asarray(info.iterations[b]) - np.asarray(want_info.iterations))
+        assert diff.max() <= 2 * 10, diff
         want = np.asarray(dissimilarities(member, key=keys[0], **opts)[0])
         atol = DEFAULT_THRESHOLD * np.abs(want).max()
         np.testing.assert_allclose(np.asarray(shared[b]), want, rtol=0, atol=atol)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax import _platform
 from karula_jax._checks import (
     check_positive,
     check_positive_int,
@@ -265,11 +266,6 @@ def _solve(x, radii_sq, state, tol, max_iter, *, method, skip=False):
     return out, info
 
 
-def _in_turn_here() -> bool:
-    """Whether vmapped projections are solved in turn: on the CPU backend."""
-    return jax.default_backend() == "cpu"
-
-
 @functools.cache
 def _members_in_turn(method: str):
     """:func:`_project_core` for ``method``, which under ``vmap`` on the CPU solves the
@@ -292,7 +288,7 @@ def _members_in_turn(method: str):
         del axis_size
         leaves, tree = jax.tree.flatten(args)
         flags = jax.tree.leaves(in_batched)
-        if not _in_turn_here():
+        if not _platform.members_in_turn():
             axes = jax.tree.unflatten(tree, [0 if b else None for b in flags])
             out = jax.vmap(core, in_axes=tuple(axes))(*args)
         else:

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from karula_jax import _platform
 from karula_jax import algorithms as A
 from karula_jax import evaluation as ev
-from karula_jax._checks import is_concrete
+from karula_jax._checks import check_key, is_concrete
 from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
 from karula_jax.training import default_batch_mesh, split_members
@@ -192,23 +193,26 @@ def mean_normalized(D):
 
 
 def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tuple[Any, Any]:
-    """Karula's D of every member of a stacked data set, as one compiled vmapped program.
+    """Karula's D of every member of a stacked data set, as one compiled program: the
+    members in turn on the CPU backend, vmapped on accelerators.
+
+    On the CPU backend (``jax.default_backend()``) the members run one after another
+    (``lax.map``), each client batch of ``embed`` stopping at its own slowest solve;
+    elsewhere (``vmap``) a client batch runs until the slowest solve of that batch over
+    all members stops. Either way each solve gives its own answer within its stopping
+    threshold (float rounding in another compiled program can move a solve's stop to
+    another threshold check).
 
     Args:
       train: members' data, leaves ``[B, n, N, ...]``.
-      key: one key for every member, or stacked keys ``[B]`` (one per member).
+      key: one key for every member (a typed key, or a raw ``uint32[2]`` one), or stacked
+        keys (typed ``[B]``, or raw ``[B, 2]``), one per member.
       **options: keywords of :func:`karula_jax.embedding.dissimilarities`.
 
     Returns:
       ``(D [B, n, n], info)``, ``info`` with a leading member axis. With several devices
       in one process the members are split over :func:`~karula_jax.training.batch_mesh`
       (each device embeds its own; the same values).
-
-    On the CPU the members are embedded one after another (``lax.map``), on accelerators
-    side by side (``vmap``): a vmapped Sinkhorn loop runs every member's batch of clients
-    until the slowest solve of all members stops, in turn each batch stops with its own
-    slowest. Both give each solve's own answer within its stopping threshold (a solve
-    checked in another program's order may stop at another iterate).
     """
     num_members = int(jax.tree.leaves(train)[0].shape[0])
     counts = np.asarray(train.counts) if is_concrete(train.counts) else None
@@ -218,20 +222,30 @@ def member_dissimilarities(train: ClientData, key: jax.Array, **options) -> tupl
             f"train.counts must be >= 1 for every member and client (the embedding needs a "
             f"row per client), member {b}'s client {i} has none"
         )
-    keys = key if jnp.ndim(key) else jnp.broadcast_to(key, (num_members,))
+    keys = _member_keys(key, num_members)
 
     def one(d, k):
         return dissimilarities(d, key=k, **options)
 
-    if jax.default_backend() == "cpu":
-        # the synthetic study's 60 members of 30 clients: Sinkhorn iterations 80 a solve
-        # (median), 280 the slowest; in turn 7.2 s against 15.9 s vmapped (after compiling)
-        members = lambda d, k: jax.lax.map(lambda member: one(*member), (d, k))  # noqa: E731
-    else:
-        members = jax.vmap(one)
+    def in_turn(d, k):
+        return jax.lax.map(lambda member: one(*member), (d, k))
+
+    members = in_turn if _platform.members_in_turn() else jax.vmap(one)
     members = split_members(members, default_batch_mesh(num_members), (0, 0))
     # Sinkhorn loops: compiled like a run's rounds (LLVM level 2 on the CPU)
     return compile_loops(jax.jit(members), train, keys)(train, keys)
+
+
+def _member_keys(key, num_members: int):
+    """``key`` as one key per member: a single typed key (``[]``) or raw key (``[2]``)
+    repeated, stacked keys (``[B]`` typed, ``[B, 2]`` raw) as they are."""
+    if getattr(key, "dtype", None) is None:
+        check_key("key", key)  # raises: not an array
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    single = jnp.ndim(key) == (0 if typed else 1)
+    if not single:
+        return key
+    return jnp.broadcast_to(key, (num_members, *jnp.shape(key)))
 
 
 def cluster_labels(D: Any, choices: Sequence[int]) -> np.ndarray:

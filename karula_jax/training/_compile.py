@@ -18,8 +18,9 @@ __all__ = ["compile_loops", "loop_compiler_options"]
 # iterations) 183-200 ms against 183-195 ms. Level 1 compiles no faster than 2; the
 # older loop emitters (``xla_cpu_use_fusion_emitters`` false) compile faster still but
 # ran that projection 10% slower (results/bench/README.md, "Compile time"). The synthetic
-# study's embedding of 60 data sets (Sinkhorn loops): compiled in 3.4-4.0 s against 5.7-5.8
-# s, run in 10.5-12.5 s against 10.3-12.0 s, the same D.
+# study's embedding of 60 data sets (Sinkhorn loops, its members then vmapped; now in turn,
+# docs/implementation_notes.md): compiled in 3.4-4.0 s against 5.7-5.8 s, run in 10.5-12.5 s
+# against 10.3-12.0 s, the same D.
 _CPU_OPTIONS = {"xla_backend_optimization_level": 2}
 
 
