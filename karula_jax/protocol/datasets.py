@@ -25,6 +25,7 @@ from karula_jax.data.clients import ClientData
 from karula_jax.embedding import dissimilarities
 from karula_jax.training import default_batch_mesh, split_members
 from karula_jax.training._compile import compile_loops
+from karula_jax.training.checkpoint import is_key
 
 __all__ = [
     "CVData",
@@ -241,8 +242,7 @@ def _member_keys(key, num_members: int):
     repeated, stacked keys (``[B]`` typed, ``[B, 2]`` raw) as they are."""
     if getattr(key, "dtype", None) is None:
         check_key("key", key)  # raises: not an array
-    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-    single = jnp.ndim(key) == (0 if typed else 1)
+    single = jnp.ndim(key) == (0 if is_key(key) else 1)
     if not single:
         return key
     return jnp.broadcast_to(key, (num_members, *jnp.shape(key)))
