@@ -182,6 +182,9 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_karula_trains_on_a_D_symmetric_to_its_tolerance",
     ),
     "test_bench_device.py": ("test_quick_run_writes_every_part_with_its_solver_and_active_share",),
+    "test_bench_study_time.py": (
+        "test_quick_run_prints_the_stages_of_both_runs_and_the_binding_share",
+    ),
     "test_benchmarks.py": (
         "test_bare_round_runs_without_the_projection_even_after_the_full_round",
         "test_bench_projection_sweep_over_p_reports_quiet_and_loaded_calls",
