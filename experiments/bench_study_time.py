@@ -49,13 +49,15 @@ from karula_jax.reporting import cli
 STUDY_TARGET_S = 240.0
 THEOREM_STEP_TARGET_S = 60.0
 THEOREM_STEP = "Karula (theorem step)"
+# The rows run alone, as run and with the screen's shrink (Local runs with them).
+KARULA_ROWS = ("Karula", THEOREM_STEP)
 # A pair binds where its squared distance is within this share of its squared radius.
 BINDING_RTOL = 1e-3
 
 
 def quick(cfg: study_module.SyntheticConfig) -> study_module.SyntheticConfig:
     """The study's quick configuration, Karula's two rows only (Local always runs)."""
-    return dataclasses.replace(study_module.quick_config(cfg), methods=("Karula", THEOREM_STEP))
+    return dataclasses.replace(study_module.quick_config(cfg), methods=KARULA_ROWS)
 
 
 def _screen_shrink(x, radii_sq, state, tol, max_iter, *, method):
@@ -92,18 +94,26 @@ def projection_replaced_by_screen_shrink():
 
 def run_study(cfg: study_module.SyntheticConfig, log=print) -> dict:
     """One run of the study (its outputs in a temporary folder): ``{"total": wall s,
-    "cpu": CPU s, "stages": {method: wall s}, "binding": {method: share}}``."""
+    "cpu": CPU s, "stages": {method: wall s}, "projecting": [the methods whose rounds
+    project], "binding": {projecting method: share}}``."""
     wall, cpu = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as out:
         result = protocol.run_study(study_module.study(cfg, command=""), out, log=log)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     stages = {m: float(o.seconds) for m, o in result.outcomes.items()}
-    binding = {m: binding_share(result, cfg, m) for m in result.outcomes if m.startswith("Karula")}
-    return {"total": wall, "cpu": cpu, "stages": stages, "binding": binding}
+    projecting = [m for m in result.outcomes if result.methods[m].projects]
+    binding = {m: binding_share(result, cfg, m) for m in projecting}
+    return {
+        "total": wall,
+        "cpu": cpu,
+        "stages": stages,
+        "projecting": projecting,
+        "binding": binding,
+    }
 
 
 def binding_share(result: protocol.StudyResult, cfg, method: str) -> float:
-    """Share of the constrained pairs (finite, positive ``t D_ij``) of ``method``'s final
+    """Share of the constrained pairs (finite ``t D_ij``) of ``method``'s final
     fits, over every seed, whose squared distance is within :data:`BINDING_RTOL` of its
     squared radius at the seed's chosen ``t``; pairs at radius 0 (``t = 0``) bind."""
     outcome = result.outcomes[method]
@@ -137,10 +147,6 @@ def study_rows(study: dict) -> list[str]:
     return rows
 
 
-def _projecting(study: dict) -> list[str]:
-    return [m for m in study["stages"] if m.startswith("Karula")]
-
-
 def row_cost(real: dict, before: dict, after: dict, method: str) -> float:
     """What the projection costs on ``method``'s row: its time as run minus the mean of
     the substituted runs ``before`` and ``after`` it, compilation included."""
@@ -154,13 +160,13 @@ def karula_rows(study: dict, real: dict, before: dict, after: dict) -> list[str]
         f"{m} | {study['stages'][m]:.1f} | {before['stages'][m]:.1f} | "
         f"{real['stages'][m]:.1f} | {after['stages'][m]:.1f} | "
         f"{row_cost(real, before, after, m):.1f}"
-        for m in _projecting(real)
+        for m in real["projecting"]
     ]
 
 
 def findings(cfg, study: dict, real: dict, before: dict, after: dict) -> str:
     """The paragraph above the tables: the targets, the projection's cost, binding pairs."""
-    cost = sum(row_cost(real, before, after, m) for m in _projecting(real))
+    cost = sum(row_cost(real, before, after, m) for m in real["projecting"])
     binding = ", ".join(f"{m} {100 * s:.1f}%" for m, s in study["binding"].items())
     if cfg == study_module.SyntheticConfig():
         step = study["stages"].get(THEOREM_STEP, float("nan"))
@@ -187,7 +193,7 @@ def main(argv=None) -> None:
     cfg, args = cli(study_module.SyntheticConfig, argv, quick=quick, description=__doc__, out=out)
     log = lambda *a: print(*a, flush=True)
     study = run_study(cfg, log=log)
-    rows_alone = dataclasses.replace(cfg, methods=("Karula", THEOREM_STEP))
+    rows_alone = dataclasses.replace(cfg, methods=KARULA_ROWS)
     with projection_replaced_by_screen_shrink():
         before = run_study(rows_alone, log=log)
     real = run_study(rows_alone, log=log)

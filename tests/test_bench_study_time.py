@@ -45,12 +45,14 @@ def _runs():
         "total": 250.0,
         "cpu": 460.0,
         "stages": {"Local": 3.0, "Karula": 60.0, "IFCA": 40.0, "Karula (theorem step)": 35.0},
+        "projecting": ["Karula", "Karula (theorem step)"],
         "binding": {"Karula": 0.25, "Karula (theorem step)": 1.0},
     }
     alone = lambda karula, theorem: {
         "total": 0.0,
         "cpu": 0.0,
         "stages": {"Local": 2.0, "Karula": karula, "Karula (theorem step)": theorem},
+        "projecting": ["Karula", "Karula (theorem step)"],
         "binding": {},
     }
     return study, alone(62.0, 36.0), alone(10.0, 12.0), alone(14.0, 13.0)
