@@ -45,9 +45,13 @@ class DeviceConfig:
     * ``study``: ``experiments.bench_study``'s vmapped ridge, logistic and MLP batches
       (its default config; with ``--quick`` the ridge batch of its quick config).
 
-    A part (or size) starts only while the elapsed time is below ``budget_s``; one not
-    started is listed as such. Sized from the older H200 tables (about 6 min for all three
-    parts); not yet run on a GPU.
+    A part (or size, or study workload) starts only while the elapsed time is below
+    ``budget_s``; one not started is listed as such, and each part's page says how long it
+    took. Sizing (one H200, 2026-12-04, ``results/bench/device_nvidia_h200.md``): the
+    binding part with both solvers and the many part at 2 + 2 rounds took 456 s together,
+    the study part 120 s; the defaults since (the Newton-CG solver alone, ``fista`` by
+    ``--projection-methods laplacian,fista``; 1 + 1 rounds at 10,000 clients) are expected
+    to fit all three parts in about 8 min, not yet measured.
 
     Attributes:
       binding_sizes: n of the binding part.
@@ -61,7 +65,7 @@ class DeviceConfig:
     """
 
     binding_sizes: tuple[int, ...] = (30, 100, 300, 1000)
-    projection_methods: str = "laplacian,fista"
+    projection_methods: str = "laplacian"
     t: float = 1e-3
     warmup: int = 5
     rounds: int = 5
@@ -69,17 +73,18 @@ class DeviceConfig:
     many_sizes: tuple[int, ...] = (10000,)
     many_rows: tuple[int, ...] = (20, 40)
     many_methods: str = "laplacian"
-    many_warmup: int = 2
-    many_rounds: int = 2
+    many_warmup: int = 1
+    many_rounds: int = 1
     parts: str = ",".join(PARTS)
     budget_s: float = 420.0
 
 
 def quick(cfg: DeviceConfig) -> DeviceConfig:
-    """Every part at toy sizes (a smoke run on any machine)."""
+    """Every part at toy sizes (a smoke run on any machine), both solvers side by side."""
     return dataclasses.replace(
         cfg,
         binding_sizes=(6,),
+        projection_methods="laplacian,fista",
         warmup=1,
         rounds=1,
         rounds_large=1,
@@ -140,11 +145,12 @@ def peak_memory() -> str:
 
 
 class Page:
-    """The page as it grows: a header, then each part's table or its reason for none."""
+    """The page as it grows: a header, then each part's section (paragraphs and tables),
+    rewritten whenever a section is added or updated."""
 
     def __init__(self, cfg: DeviceConfig, argv, out, quick: bool):
         self.cfg, self.argv, self.out, self.quick = cfg, argv, out, quick
-        self.parts: list[str | tuple[str, list[str]]] = []
+        self.sections: list[list[str | tuple[str, list[str]]]] = []
         self.started = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -153,16 +159,27 @@ class Page:
     def over_budget(self) -> bool:
         return self.elapsed() >= self.cfg.budget_s
 
-    def add(self, *parts, final: bool = False) -> None:
-        """Appends paragraphs or ``(head, rows)`` tables and rewrites the page (a quick
-        run writes none); the ``final`` call also prints it."""
-        self.parts.extend(parts)
+    def add(self, *parts, final: bool = False) -> int:
+        """Appends a section of paragraphs or ``(head, rows)`` tables and rewrites the page
+        (a quick run writes none); the ``final`` call also prints it. Returns the section's
+        index for :meth:`update`."""
+        self.sections.append(list(parts))
+        self._write(final)
+        return len(self.sections) - 1
+
+    def update(self, index: int, *parts) -> None:
+        """Replaces section ``index`` (a part that grows workload by workload) and rewrites
+        the page, so that a run cut short keeps what it measured."""
+        self.sections[index] = list(parts)
+        self._write(final=False)
+
+    def _write(self, final: bool) -> None:
         text = bench_page(
             "Karula against FedAvg on one device: the accelerator tables",
             run_header("experiments.bench_device", self.argv, self.cfg),
             "Every table: one process, the methods taking turns round by round; ratios are "
             f"against FedAvg's round in the same table. {self.elapsed():.0f} s so far.\n",
-            *self.parts,
+            *(part for section in self.sections for part in section),
         )
         publish(text, self.out, quick=self.quick, echo=final)
 
@@ -174,7 +191,7 @@ def scale_part(page: Page, part: str) -> None:
         "binding": "Binding rounds: the MLP's output layer personalized",
         "many": "Many clients: the binding round at the largest n",
     }[part]
-    rows, skipped = [], []
+    rows, skipped, started = [], [], page.elapsed()
     for n in scfg.sizes:
         if page.over_budget():
             skipped.append(n)
@@ -185,30 +202,42 @@ def scale_part(page: Page, part: str) -> None:
         notes += f"\nNot run (budget of {page.cfg.budget_s:g} s spent): n = {skipped}.\n"
     if part == "many" and rows:
         notes += f"\nDevice peak memory in use: {peak_memory()}.\n"
+    notes += f"\nThis part: {page.elapsed() - started:.0f} s.\n"
     page.add(notes, *([(bench_scale.HEAD, rows)] if rows else []))
 
 
 def study_part(page: Page) -> None:
-    """bench_study's tables, workload by workload while within the budget."""
+    """bench_study's tables, workload by workload while within the budget; the page is
+    rewritten after each workload."""
     # (quick: its first workload only, a ridge batch)
     scfg = QUICK_STUDY if page.quick else bench_study.StudyConfig()
-    results, skipped = [], 0
-    for make in bench_study.workloads(scfg):
+    heading = f"\n### Vmapped study batches (experiments.bench_study)\n\n{scfg}.\n"
+    section = page.add(heading)
+    results, skipped, started = [], 0, page.elapsed()
+    makers = list(bench_study.workloads(scfg))
+    for done, make in enumerate(makers, start=1):
         if page.over_budget():
             skipped += 1
             continue
         results.append(bench_study.bench_workload(scfg, make()))
-    notes = f"\n### Vmapped study batches (experiments.bench_study)\n\n{scfg}.\n"
+        notes = heading + f"\nThis part: {page.elapsed() - started:.0f} s"
+        notes += "" if done == len(makers) else f" ({done} of {len(makers)} workloads so far)"
+        page.update(section, notes + ".\n", *tables_of(results))
     if skipped:
+        notes = heading + f"\nThis part: {page.elapsed() - started:.0f} s."
         notes += f"\nNot run (budget of {page.cfg.budget_s:g} s spent): {skipped} workload(s).\n"
-    tables = []
-    if results:
-        tables = [
-            (bench_study.HEAD, [line for r in results for line in bench_study.rows(r)]),
-            "\nWhole runs:\n",
-            (bench_study.RUN_HEAD, [bench_study.run_row(r) for r in results]),
-        ]
-    page.add(notes, *tables)
+        page.update(section, notes, *tables_of(results))
+
+
+def tables_of(results: list) -> list:
+    """The study part's two tables (member-rounds by window, whole runs) of ``results``."""
+    if not results:
+        return []
+    return [
+        (bench_study.HEAD, [line for r in results for line in bench_study.rows(r)]),
+        "\nWhole runs:\n",
+        (bench_study.RUN_HEAD, [bench_study.run_row(r) for r in results]),
+    ]
 
 
 def main(argv=None) -> None:
