@@ -30,6 +30,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -318,15 +319,32 @@ def _collapse(counts, traced, comps, rounds) -> dict:
     but never run): loops that XLA removed (one trip) or unrolled are dropped from the
     counted nests."""
     kept = {op.site for ops in comps.values() for op in ops if op.opcode == "while"}
+    match = functools.cache(lambda site: _kept_site(site, kept))
 
     def nest(key):
-        return tuple(k for k in key if k in kept)
+        return tuple(m for m in map(match, key) if m is not None)
 
-    out = collections.Counter({nest(key): 0.0 for key in traced if key[-1] in kept})
+    out = collections.Counter({nest(key): 0.0 for key in traced if match(key[-1]) is not None})
     for key, trips in counts.items():
-        if key[-1] in kept:
+        if match(key[-1]) is not None:
             out[nest(key)] += trips / rounds
     return dict(out)
+
+
+def _kept_site(site, kept):
+    """The loop site of the optimized program that ``site`` (a traced call site) is: itself,
+    or else the one kept site with the same innermost frame whose frames all appear in
+    ``site`` in order (a program traced through a cached custom-batching rule can record
+    one caller frame fewer than the counted trace); None if there is none or several."""
+    if site in kept:
+        return site
+
+    def within(short):
+        frames = iter(site)
+        return all(f in frames for f in short)
+
+    found = [k for k in kept if k and site and k[0] == site[0] and within(k)]
+    return found[0] if len(found) == 1 else None
 
 
 def _launches(comps, name, path, execs, trips, by_site, missing, seen=None):

@@ -161,3 +161,25 @@ def test_bench_kernels_counts_loop_bodies_at_their_trips(monkeypatch):
     # operation counts times integer trip counts: integers, exact in float64
     assert not missing and total == expected
     assert sum(by_site.values()) == total
+
+
+def test_bench_kernels_matches_a_traced_site_with_an_extra_caller_frame():
+    # a counted trace can record one caller frame more than the optimized program's
+    # metadata (a cached custom-batching rule): the kept site whose frames all appear in
+    # order is the match; two such kept sites are ambiguous and match nothing
+    from experiments import bench_kernels as bk
+
+    loop, body, api_a, api_b, caller = (
+        ("l.py", 5),
+        ("l.py", 9),
+        ("a.py", 1),
+        ("a.py", 2),
+        ("k.py", 3),
+    )
+    kept = {(loop, body, api_a, caller), (("l.py", 7), api_a)}
+    assert bk._kept_site((loop, body, api_a, caller), kept) == (loop, body, api_a, caller)
+    assert bk._kept_site((loop, body, api_a, api_b, caller), kept) == (loop, body, api_a, caller)
+    assert bk._kept_site((loop, api_a, caller), kept) is None  # a frame missing, not extra
+    assert bk._kept_site((("l.py", 6), body, api_a, caller), kept) is None
+    kept.add((loop, body, api_b, caller))
+    assert bk._kept_site((loop, body, api_a, api_b, caller), kept) is None
