@@ -49,9 +49,9 @@ class DeviceConfig:
     ``budget_s``; one not started is listed as such, and each part's page says how long it
     took. Sizing (one H200, 2026-12-04, ``results/bench/device_nvidia_h200.md``): the
     binding part with both solvers and the many part at 2 + 2 rounds took 456 s together,
-    the study part 120 s; the defaults since (the Newton-CG solver alone, ``fista`` by
-    ``--projection-methods laplacian,fista``; 1 + 1 rounds at 10,000 clients) are expected
-    to fit all three parts in about 8 min, not yet measured.
+    the study part 120 s; the defaults since (Newton-CG and its direct variant,
+    ``laplacian_direct``, not yet measured on a GPU; ``fista`` by ``--projection-methods``;
+    1 + 1 rounds at 10,000 clients) are expected to fit all three parts in about 8 min.
 
     Attributes:
       binding_sizes: n of the binding part.
@@ -65,7 +65,7 @@ class DeviceConfig:
     """
 
     binding_sizes: tuple[int, ...] = (30, 100, 300, 1000)
-    projection_methods: str = "laplacian"
+    projection_methods: str = "laplacian,laplacian_direct"
     t: float = 1e-3
     warmup: int = 5
     rounds: int = 5
@@ -84,7 +84,7 @@ def quick(cfg: DeviceConfig) -> DeviceConfig:
     return dataclasses.replace(
         cfg,
         binding_sizes=(6,),
-        projection_methods="laplacian,fista",
+        projection_methods="laplacian,laplacian_direct,fista",
         warmup=1,
         rounds=1,
         rounds_large=1,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["eigh", "eigvalsh", "inv_spd_dominant", "qr_q"]
+__all__ = ["eigh", "eigvalsh", "inv_spd_dominant", "qr_q", "solve_spd"]
 
 
 def _unbatched_on_cpu(fn):
@@ -254,3 +254,40 @@ def inv_spd_dominant(a):
         raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
     cpu = _gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked
     return _per_platform(a, cpu=cpu, default=_cholesky_inverse)
+
+
+def _cholesky_solve(ab):
+    """``a^-1 b`` ``[m, 1]`` for one augmented ``[a | b]`` ``[m, m + 1]``, ``a`` symmetric
+    positive definite, by its Cholesky factor."""
+    m = ab.shape[0]
+    factor = jax.scipy.linalg.cho_factor(ab[:, :m], lower=True)
+    return jax.scipy.linalg.cho_solve(factor, ab[:, m:])
+
+
+def _gauss_jordan_solve(ab):
+    """``a^-1 b`` ``[m, 1]`` for one augmented ``[a | b]`` by the Gauss-Jordan inverse."""
+    m = ab.shape[0]
+    inv = _gauss_jordan if m <= _BLOCK else _gauss_jordan_blocked
+    return inv(ab[:, :m]) @ ab[:, m:]
+
+
+def solve_spd(a, b):
+    """``a^-1 b`` for symmetric positive definite ``a`` ``[..., m, m]`` and ``b`` ``[..., m]``.
+
+    On the CPU: the Gauss-Jordan inverse of :func:`inv_spd_dominant` (no LAPACK, batches
+    as array operations) times ``b``. Without pivoting it is stable for positive definite
+    matrices too: every pivot is a diagonal entry of a Schur complement of ``a``, itself
+    positive definite, so pivots stay positive (elimination without pivoting is backward
+    stable there). Other platforms: Cholesky factor and two triangular solves. Not checked:
+    symmetry or definiteness (a factor of an indefinite or singular ``a`` gives non-finite
+    entries, which the caller tests).
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2] or b.shape != a.shape[:-1]:
+        raise ValueError(
+            f"expected a square matrix [..., m, m] and a vector [..., m], got shapes "
+            f"{a.shape} and {b.shape}"
+        )
+    ab = jnp.concatenate([a, b[..., None]], axis=-1)
+    out = _per_platform(ab, cpu=_gauss_jordan_solve, default=_cholesky_solve)
+    return out[..., 0]

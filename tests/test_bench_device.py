@@ -34,7 +34,12 @@ def test_quick_run_writes_every_part_with_its_solver_and_active_share(capsys, tm
     study = next(v for k, v in tables.items() if k.startswith("Vmapped"))
     head = binding[0]
     methods = {row[1] for row in binding[1:]}
-    assert methods == {"FedAvg", "Karula t=0.001 laplacian", "Karula t=0.001 fista"}
+    assert methods == {
+        "FedAvg",
+        "Karula t=0.001 laplacian",
+        "Karula t=0.001 laplacian_direct",
+        "Karula t=0.001 fista",
+    }
     share = head.index("pairs with lam > 0")
     for row in binding[1:] + many[1:]:
         if row[1] != "FedAvg":

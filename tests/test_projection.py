@@ -19,7 +19,7 @@ from karula_jax import _platform
 from karula_jax import projection as proj
 from karula_jax.projection import api as proj_api
 
-SOLVERS = ("dykstra", "laplacian", "fista")
+SOLVERS = ("dykstra", "laplacian", "laplacian_direct", "fista")
 DEFAULT_TOL = inspect.signature(proj.project).parameters["tol"].default
 
 

@@ -26,7 +26,12 @@ from hypothesis import strategies as st
 from karula_jax import projection as proj
 from karula_jax.projection.dykstra import _round_robin
 
-SOLVERS = ("dykstra", "laplacian", "fista")  # "auto" is one of these (test_projection.py)
+SOLVERS = (
+    "dykstra",
+    "laplacian",
+    "laplacian_direct",
+    "fista",
+)  # "auto" is one of these (test_projection.py)
 KINDS = ("cauchy", "groups", "zeros", "extreme")
 
 

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from karula_jax import _linalg
 from karula_jax.projection.certificate import (
     certified,
     dual_eval,
@@ -55,9 +56,16 @@ _DAMP_MAX = 1e4
 _DAMP_UP = 4.0
 _DAMP_DOWN = 0.25
 _DAMP_TRIALS = 2
+# The direct Newton system (``direct=True``, ``_pair_newton_step``): at most this many free
+# pairs a client (``cap = min(n (n - 1) / 2, _DIRECT_PAIRS_PER_CLIENT * n)``; more free
+# pairs fall back to CG), and its ridge in units of the dtype's eps times the largest
+# Hessian diagonal (1e-6 in float32), which keeps the factorization finite where the pair
+# Hessian is singular (more free pairs than its rank).
+_DIRECT_PAIRS_PER_CLIENT = 8
+_DIRECT_RIDGE = 8.0
 
 
-def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverResult:
+def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False) -> SolverResult:
     r"""Projected Newton (two-metric, Newton-CG) ascent on the n x n multipliers.
 
     The dual ``g(lam)`` is concave with gradient ``(||theta_i - theta_j||^2 - R_ij^2)/2``
@@ -70,7 +78,14 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
     ascent monotone up to g's float resolution (``64 eps |g|``), the diagonally scaled
     gradient its fallback. ``warm.lam`` starts it (symmetrized, clipped at 0); the
     returned state has no per-pair part (``pair_dual`` ``[0, k]``).
+
+    ``direct``: the Newton system on the free pairs is formed (``[cap, cap]``, ``cap`` of
+    ``_DIRECT_PAIRS_PER_CLIENT``) and solved by one factorization instead of CG's loop of
+    Hessian products (:func:`_pair_newton_step`): a few large kernels a step where the
+    free pairs are few; CG where they exceed ``cap`` or the factor is not finite.
     """
+    n = red.w.shape[0]
+    direct_cap = min(n * (n - 1) // 2, _DIRECT_PAIRS_PER_CLIENT * n) if direct else 0
     is_low_rank = low_rank(*red.w.shape)
     gram = red.w.shape[0] > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
@@ -142,7 +157,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False) -> SolverRes
             # Under vmap the members that have stopped still run this body (results
             # dropped); ``running`` keeps them from holding the inner loops open.
             running = ~done
-            s, s_diag = _direction(red, mask, lam, ev, running, cg_iter, damping)
+            s, s_diag = _direction(red, mask, lam, ev, running, cg_iter, damping, direct_cap)
             # (s_diag is the fallback where clipping spoilt the Newton step)
             new, ev_new, ok, trials = line_search(lam, ev, s, s_diag, running, evaluate)
             damping = _next_damping(damping, trials, ok)
@@ -199,7 +214,7 @@ def _next_damping(damping, trials, ok):
     return jnp.where(up, grown, jnp.where(trials == 1, shrunk, damping))
 
 
-def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
+def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     """(Newton step, diagonally scaled gradient step) at ``lam``; both [n, n].
 
     A pair at 0 stays fixed there when its constraint has slack (negative gradient), or when
@@ -223,7 +238,8 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
     CG resumes from the step on the pairs left free: the step's face is settled with
     Hessian products only, before the line search pays for an evaluation (``O(n^3)``),
     which halves the Newton iterations where many pairs change sign
-    (``results/bench/README.md``).
+    (``results/bench/README.md``). With ``direct_cap`` > 0 each of these systems is solved
+    exactly (:func:`_pair_newton_step`) where its free pairs number at most ``direct_cap``.
     """
     eps = jnp.finfo(red.w.dtype).eps
     a_inv = ev.a_inv
@@ -249,21 +265,32 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
 
     def solve(free, b, start=None, residual=None, stop=None):
         """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
-        whose residual is ``residual``."""
-        op = lambda x: jnp.where(free, hvp(ev, mask, x) + mu * x, 0.0)
-        x = _pcg(
-            op,
-            b,
-            jnp.where(free, pre, 1.0),
-            pair_dot,
-            rtol=_CG_RTOL,
-            max_iter=cg_iter,
-            running=running,
-            start=start,
-            residual=residual,
-            stop=stop,
-        )
-        return symmetric(x)
+        whose residual is ``residual``; with ``direct_cap`` the system solved exactly
+        where it is small enough."""
+
+        def by_cg():
+            op = lambda x: jnp.where(free, hvp(ev, mask, x) + mu * x, 0.0)
+            x = _pcg(
+                op,
+                b,
+                jnp.where(free, pre, 1.0),
+                pair_dot,
+                rtol=_CG_RTOL,
+                max_iter=cg_iter,
+                running=running,
+                start=start,
+                residual=residual,
+                stop=stop,
+            )
+            return symmetric(x)
+
+        if not direct_cap:
+            return by_cg()
+        rhs = b if residual is None else residual
+        step, ok = _pair_newton_step(ev, free, rhs, mu, direct_cap)
+        if start is not None:
+            step = start + step
+        return jax.lax.cond(ok, lambda: step, by_cg)
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
@@ -294,6 +321,42 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0):
 
     _, _, s = jax.lax.while_loop(more, refine, (0, active, s))
     return s, jnp.where(mask, diag_step, 0.0)
+
+
+def pair_hessian(m, i, j):
+    """``(B^T m B)`` on the pairs ``(i, j)`` (index arrays ``[q]``): entry ``(a, b)`` is
+    ``(e_ia - e_ja)^T m (e_ib - e_jb)``, ``[q, q]``, for a symmetric ``[n, n]`` ``m``."""
+    rows = m[i] - m[j]  # [q, n]
+    return rows[:, i] - rows[:, j]
+
+
+def _pair_newton_step(ev, free, rhs, mu, cap):
+    """``(H_FF + mu I)^-1 rhs_F`` on the free pairs, formed and factorized; (step, ok).
+
+    The dual Hessian's product (:func:`~karula_jax.projection.pair_algebra.hvp`) is, pair
+    by pair, ``H = (B^T A^-1 B) o (B^T G B)`` with ``A = M + L_lam``, ``G`` the Gram matrix
+    of ``theta`` and ``B`` the pair incidence matrix: on the at most ``cap`` free pairs both
+    factors are gathers of ``[n, n]`` matrices, independent of the coordinates. The system
+    gets ``mu`` (as CG's) plus ``_DIRECT_RIDGE eps`` times its largest diagonal, padding rows
+    the identity. ``rhs`` ``[n, n]`` symmetric, zero off ``free``; the step is symmetric
+    to the bit, zero off ``free``. ``ok`` is False where the free pairs exceed ``cap`` or
+    the solve is not finite (then the caller takes CG).
+    """
+    n = free.shape[0]
+    iu, ju = jnp.triu_indices(n, 1)
+    on = free[iu, ju]
+    count = jnp.sum(on)
+    (idx,) = jnp.nonzero(on, size=cap, fill_value=0)
+    valid = jnp.arange(cap) < count
+    i, j = iu[idx], ju[idx]
+    h = pair_hessian(ev.a_inv, i, j) * pair_hessian(ev.gram, i, j)
+    h = jnp.where(valid[:, None] & valid[None, :], h, 0.0)
+    ridge = mu + _DIRECT_RIDGE * jnp.finfo(h.dtype).eps * jnp.max(jnp.diag(h))
+    h = h + jnp.diag(jnp.where(valid, ridge, 1.0))
+    x = jnp.where(valid, _linalg.solve_spd(h, jnp.where(valid, rhs[i, j], 0.0)), 0.0)
+    # padding entries add 0 to pair (0, 1), so a free pair (0, 1) keeps its value
+    step = jnp.zeros_like(rhs).at[i, j].add(x).at[j, i].add(x)
+    return step, (count <= cap) & jnp.all(jnp.isfinite(x))
 
 
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None, residual=None, stop=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from karula_jax.projection import dykstra, fista, laplacian
 from karula_jax.projection.contract import Solver
 
@@ -13,6 +15,13 @@ SOLVERS: dict[str, Solver] = {
     # It multiplies [n, n] by [n, k] in every evaluation: rotating (O(n^2 p) once) pays
     # from p >= 2n on.
     "laplacian": Solver(laplacian.solve, pair_state=False, rotate=lambda n, p: p >= 2 * n),
+    # The same Newton ascent with each Newton system on the free pairs formed and
+    # factorized instead of solved by CG (few large kernels a step, for accelerators).
+    "laplacian_direct": Solver(
+        functools.partial(laplacian.solve, direct=True),
+        pair_state=False,
+        rotate=lambda n, p: p >= 2 * n,
+    ),
     # Accelerated projected gradient on the same multipliers, fixed-trip blocks (few large
     # kernels an iteration, no inner loops); rotated where the Laplacian dual is.
     "fista": Solver(fista.solve, pair_state=False, rotate=lambda n, p: p >= 2 * n),
