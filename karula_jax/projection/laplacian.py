@@ -266,9 +266,9 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     def solve(free, b, start=None, residual=None, stop=None):
         """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
         whose residual is ``residual``; with ``direct_cap`` the system solved exactly
-        where it is small enough."""
+        where it is small enough, CG's loop then taking no trip."""
 
-        def by_cg():
+        def by_cg(run):
             op = lambda x: jnp.where(free, hvp(ev, mask, x) + mu * x, 0.0)
             x = _pcg(
                 op,
@@ -277,7 +277,7 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
                 pair_dot,
                 rtol=_CG_RTOL,
                 max_iter=cg_iter,
-                running=running,
+                running=run,
                 start=start,
                 residual=residual,
                 stop=stop,
@@ -285,12 +285,14 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
             return symmetric(x)
 
         if not direct_cap:
-            return by_cg()
+            return by_cg(running)
         rhs = b if residual is None else residual
         step, ok = _pair_newton_step(ev, free, rhs, mu, direct_cap)
         if start is not None:
             step = start + step
-        return jax.lax.cond(ok, lambda: step, by_cg)
+        # CG's loop runs only where the direct step failed: no lax.cond, which under vmap
+        # would run both branches for every member
+        return jnp.where(ok, step, by_cg(running & ~ok))
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
