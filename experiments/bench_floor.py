@@ -205,7 +205,8 @@ def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
     def projection(v, warm):  # as Karula's round calls it (its default tol and cap)
         return project(v, r2, warm_start=warm, method="laplacian", tol=1e-6, max_iter=1000)
 
-    solve = None
+    solve = counted_solve = None
+    counts = collections.Counter()
     rows = collections.defaultdict(list)
     for _ in range(cfg.rounds):
         # The round's projection problem: the same round without its projection (same
@@ -220,10 +221,12 @@ def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
             solve = compile_loops(jax.jit(projection), v, warm)
         theta, info = jax.block_until_ready(solve(v, warm))
         rows["projection_ms"].append(_median_ms(solve, v, warm, reps=cfg.reps))
-        counts = collections.Counter()
-        with counting(counts):
-            _, counted = jax.block_until_ready(jax.jit(projection)(v, warm))
-            jax.effects_barrier()
+        if counted_solve is None:  # traced and compiled once, its counters reset each round
+            with counting(counts):
+                counted_solve = jax.jit(projection).lower(v, warm).compile()
+        counts.clear()
+        _, counted = jax.block_until_ready(counted_solve(v, warm))
+        jax.effects_barrier()
         rows["counted_iterations"].append(int(counted.iterations))
         for label in LABELS:
             rows[label].append(counts[label])
