@@ -182,6 +182,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_karula_trains_on_a_D_symmetric_to_its_tolerance",
     ),
     "test_bench_device.py": ("test_quick_run_writes_every_part_with_its_solver_and_active_share",),
+    "test_solver_laplacian_direct.py": ("test_within_the_cap_no_step_is_taken_by_cg",),
     "test_bench_study_time.py": (
         "test_quick_run_prints_the_stages_of_both_runs_and_the_binding_share",
     ),
