@@ -279,8 +279,10 @@ def solve_spd(a, b):
     matrices too: every pivot is a diagonal entry of a Schur complement of ``a``, itself
     positive definite, so pivots stay positive (elimination without pivoting is backward
     stable there). Other platforms: Cholesky factor and two triangular solves. Not checked:
-    symmetry or definiteness (a factor of an indefinite or singular ``a`` gives non-finite
-    entries, which the caller tests).
+    symmetry or definiteness. For an indefinite or singular ``a`` the Cholesky solve gives
+    non-finite entries, but the elimination can return finite values: a caller that may
+    pass such a matrix must test the answer itself (e.g. ``x . b > 0``, which every
+    positive definite ``a`` gives for ``b != 0``).
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim < 2 or a.shape[-1] != a.shape[-2] or b.shape != a.shape[:-1]:

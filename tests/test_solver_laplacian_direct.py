@@ -135,3 +135,23 @@ def test_within_the_cap_no_step_is_taken_by_cg(monkeypatch):
         np.testing.assert_allclose(np.asarray(th_p), th, rtol=0, atol=atol)
     pairs = zip(clean_cg, poisoned_cg, strict=True)
     assert all(int(a[1].iterations) != int(b[1].iterations) for a, b in pairs)
+
+
+@pytest.mark.parametrize("n", [8, 12])
+def test_singular_pair_hessian_gives_an_ascent_step_or_cg(n):
+    # p = 1: many more free pairs than the pair Hessian's rank, and the solver's own tiny
+    # mu (eps times the largest diagonal): the formed system is singular up to its ridge.
+    # A step the direct solve accepts ascends (x . b > 0); the projection converges
+    _, _, red, mask, ev = _problem(n + 200, n, 1, c=0.01)
+    free = mask
+    rhs = jnp.where(free, pair_algebra.symmetric(ev.grad), 0.0)
+    da = jnp.diag(ev.a_inv)
+    d2 = 2.0 * ev.grad + jnp.where(mask, red.radius, 0.0) ** 2
+    hdiag = jnp.where(mask, (da[:, None] + da[None, :] - 2.0 * ev.a_inv) * d2, 0.0)
+    mu = EPS32 * jnp.max(hdiag)
+    step, ok = laplacian._pair_newton_step(ev, free, rhs, mu, n * (n - 1) // 2)
+    assert not bool(ok) or float(pair_algebra.pair_dot(step, rhs)) > 0
+    assert np.all(np.isfinite(np.asarray(step))) or not bool(ok)
+    v, radii_sq = _problem(n + 200, n, 1, c=0.01)[:2]
+    _, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method="laplacian_direct")
+    assert bool(info.converged) and float(info.rel_violation) <= 1e-5

@@ -63,6 +63,9 @@ _DAMP_TRIALS = 2
 # Hessian is singular (more free pairs than its rank).
 _DIRECT_PAIRS_PER_CLIENT = 8
 _DIRECT_RIDGE = 8.0
+# ... and at most this many pairs in all: a [cap, cap] system of 2048 is 16 MiB and one
+# factorization of 2.9 GFLOP; beyond it CG's Hessian products are the cheaper solve.
+_DIRECT_MAX_PAIRS = 2048
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False) -> SolverResult:
@@ -85,7 +88,8 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
     free pairs are few; CG where they exceed ``cap`` or the factor is not finite.
     """
     n = red.w.shape[0]
-    direct_cap = min(n * (n - 1) // 2, _DIRECT_PAIRS_PER_CLIENT * n) if direct else 0
+    pairs = n * (n - 1) // 2
+    direct_cap = min(pairs, _DIRECT_PAIRS_PER_CLIENT * n, _DIRECT_MAX_PAIRS) if direct else 0
     is_low_rank = low_rank(*red.w.shape)
     gram = red.w.shape[0] > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
@@ -341,24 +345,36 @@ def _pair_newton_step(ev, free, rhs, mu, cap):
     factors are gathers of ``[n, n]`` matrices, independent of the coordinates. The system
     gets ``mu`` (as CG's) plus ``_DIRECT_RIDGE eps`` times its largest diagonal, padding rows
     the identity. ``rhs`` ``[n, n]`` symmetric, zero off ``free``; the step is symmetric
-    to the bit, zero off ``free``. ``ok`` is False where the free pairs exceed ``cap`` or
-    the solve is not finite (then the caller takes CG).
+    to the bit, zero off ``free``. ``ok`` is False where the free pairs exceed ``cap``
+    (then nothing is formed: a ``lax.cond``, both branches only under ``vmap``), the
+    solve is not finite (a Cholesky factor of a matrix that rounding left indefinite) or
+    its step is not an ascent direction, ``x . rhs <= 0`` (the CPU's elimination returns
+    finite values for an indefinite matrix); then the caller takes CG.
     """
     n = free.shape[0]
     iu, ju = jnp.triu_indices(n, 1)
     on = free[iu, ju]
     count = jnp.sum(on)
-    (idx,) = jnp.nonzero(on, size=cap, fill_value=0)
-    valid = jnp.arange(cap) < count
-    i, j = iu[idx], ju[idx]
-    h = pair_hessian(ev.a_inv, i, j) * pair_hessian(ev.gram, i, j)
-    h = jnp.where(valid[:, None] & valid[None, :], h, 0.0)
-    ridge = mu + _DIRECT_RIDGE * jnp.finfo(h.dtype).eps * jnp.max(jnp.diag(h))
-    h = h + jnp.diag(jnp.where(valid, ridge, 1.0))
-    x = jnp.where(valid, _linalg.solve_spd(h, jnp.where(valid, rhs[i, j], 0.0)), 0.0)
-    # padding entries add 0 to pair (0, 1), so a free pair (0, 1) keeps its value
-    step = jnp.zeros_like(rhs).at[i, j].add(x).at[j, i].add(x)
-    return step, (count <= cap) & jnp.all(jnp.isfinite(x))
+
+    def formed():
+        (idx,) = jnp.nonzero(on, size=cap, fill_value=0)
+        valid = jnp.arange(cap) < count
+        i, j = iu[idx], ju[idx]
+        h = pair_hessian(ev.a_inv, i, j) * pair_hessian(ev.gram, i, j)
+        h = jnp.where(valid[:, None] & valid[None, :], h, 0.0)
+        ridge = mu + _DIRECT_RIDGE * jnp.finfo(h.dtype).eps * jnp.max(jnp.diag(h))
+        h = h + jnp.diag(jnp.where(valid, ridge, 1.0))
+        b = jnp.where(valid, rhs[i, j], 0.0)
+        x = jnp.where(valid, _linalg.solve_spd(h, b), 0.0)
+        ascent = (jnp.sum(x * b) > 0) | (count == 0)
+        # padding entries add 0 to pair (0, 1), so a free pair (0, 1) keeps its value
+        step = jnp.zeros_like(rhs).at[i, j].add(x).at[j, i].add(x)
+        return step, jnp.all(jnp.isfinite(x)) & ascent
+
+    def skipped():
+        return jnp.zeros_like(rhs), jnp.array(False)
+
+    return jax.lax.cond(count <= cap, formed, skipped)
 
 
 def _pcg(op, b, pre, dot, *, rtol, max_iter, running=True, start=None, residual=None, stop=None):
