@@ -229,6 +229,12 @@ def _gauss_jordan_blocked(a):
     return jax.lax.fori_loop(0, blocks, step, a)[:n, :n]
 
 
+def _gauss_jordan_inverse(a):
+    """Gauss-Jordan inverse of one ``[n, n]`` matrix: scalar pivots up to ``_BLOCK`` rows,
+    blocks of pivots above."""
+    return (_gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked)(a)
+
+
 def _cholesky_inverse(a):
     """Inverse of one symmetric positive definite ``[n, n]`` matrix by its Cholesky factor."""
     factor = jax.scipy.linalg.cho_factor(a, lower=True)
@@ -252,8 +258,7 @@ def inv_spd_dominant(a):
     a = jnp.asarray(a)
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"expected a square matrix or a batch of them, got shape {a.shape}")
-    cpu = _gauss_jordan if a.shape[-1] <= _BLOCK else _gauss_jordan_blocked
-    return _per_platform(a, cpu=cpu, default=_cholesky_inverse)
+    return _per_platform(a, cpu=_gauss_jordan_inverse, default=_cholesky_inverse)
 
 
 def _cholesky_solve(ab):
@@ -267,8 +272,7 @@ def _cholesky_solve(ab):
 def _gauss_jordan_solve(ab):
     """``a^-1 b`` ``[m, 1]`` for one augmented ``[a | b]`` by the Gauss-Jordan inverse."""
     m = ab.shape[0]
-    inv = _gauss_jordan if m <= _BLOCK else _gauss_jordan_blocked
-    return inv(ab[:, :m]) @ ab[:, m:]
+    return _gauss_jordan_inverse(ab[:, :m]) @ ab[:, m:]
 
 
 def solve_spd(a, b):

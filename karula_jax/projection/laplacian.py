@@ -57,10 +57,10 @@ _DAMP_UP = 4.0
 _DAMP_DOWN = 0.25
 _DAMP_TRIALS = 2
 # The direct Newton system (``direct=True``, ``_pair_newton_step``): at most this many free
-# pairs a client (``cap = min(n (n - 1) / 2, _DIRECT_PAIRS_PER_CLIENT * n)``; more free
-# pairs fall back to CG), and its ridge in units of the dtype's eps times the largest
-# Hessian diagonal (1e-6 in float32), which keeps the factorization finite where the pair
-# Hessian is singular (more free pairs than its rank).
+# pairs a client (``cap = min(n (n - 1) / 2, _DIRECT_PAIRS_PER_CLIENT * n,
+# _DIRECT_MAX_PAIRS)``; more free pairs fall back to CG), and its ridge in units of the
+# dtype's eps times the largest Hessian diagonal (1e-6 in float32), which keeps the
+# factorization finite where the pair Hessian is singular (more free pairs than its rank).
 _DIRECT_PAIRS_PER_CLIENT = 8
 _DIRECT_RIDGE = 8.0
 # ... and at most this many pairs in all: a [cap, cap] system of 2048 is 16 MiB and one
@@ -83,9 +83,10 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
     returned state has no per-pair part (``pair_dual`` ``[0, k]``).
 
     ``direct``: the Newton system on the free pairs is formed (``[cap, cap]``, ``cap`` of
-    ``_DIRECT_PAIRS_PER_CLIENT``) and solved by one factorization instead of CG's loop of
-    Hessian products (:func:`_pair_newton_step`): a few large kernels a step where the
-    free pairs are few; CG where they exceed ``cap`` or the factor is not finite.
+    ``_DIRECT_PAIRS_PER_CLIENT`` and ``_DIRECT_MAX_PAIRS``) and solved by one factorization
+    instead of CG's loop of Hessian products (:func:`_pair_newton_step`): a few large
+    kernels a step where the free pairs are few; CG where they exceed ``cap``, the solve is
+    not finite or its step does not ascend.
     """
     n = red.w.shape[0]
     pairs = n * (n - 1) // 2
