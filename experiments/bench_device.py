@@ -215,18 +215,19 @@ def study_part(page: Page) -> None:
     section = page.add(heading)
     results, skipped, started = [], 0, page.elapsed()
     makers = list(bench_study.workloads(scfg))
+
+    def report(tail: str) -> None:
+        notes = heading + f"\nThis part: {page.elapsed() - started:.0f} s{tail}"
+        page.update(section, notes, *tables_of(results))
+
     for done, make in enumerate(makers, start=1):
         if page.over_budget():
             skipped += 1
             continue
         results.append(bench_study.bench_workload(scfg, make()))
-        notes = heading + f"\nThis part: {page.elapsed() - started:.0f} s"
-        notes += "" if done == len(makers) else f" ({done} of {len(makers)} workloads so far)"
-        page.update(section, notes + ".\n", *tables_of(results))
+        report(".\n" if done == len(makers) else f" ({done} of {len(makers)} workloads so far).\n")
     if skipped:
-        notes = heading + f"\nThis part: {page.elapsed() - started:.0f} s."
-        notes += f"\nNot run (budget of {page.cfg.budget_s:g} s spent): {skipped} workload(s).\n"
-        page.update(section, notes, *tables_of(results))
+        report(f".\nNot run (budget of {page.cfg.budget_s:g} s spent): {skipped} workload(s).\n")
 
 
 def tables_of(results: list) -> list:
