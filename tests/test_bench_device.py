@@ -38,7 +38,6 @@ def test_quick_run_writes_every_part_with_its_solver_and_active_share(capsys, tm
         "FedAvg",
         "Karula t=0.001 laplacian",
         "Karula t=0.001 laplacian_direct",
-        "Karula t=0.001 fista",
     }
     share = head.index("pairs with lam > 0")
     for row in binding[1:] + many[1:]:
