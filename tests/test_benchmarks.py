@@ -183,3 +183,23 @@ def test_bench_kernels_matches_a_traced_site_with_an_extra_caller_frame():
     assert bk._kept_site((("l.py", 6), body, api_a, caller), kept) is None
     kept.add((loop, body, api_b, caller))
     assert bk._kept_site((loop, body, api_a, api_b, caller), kept) is None
+
+
+def test_bench_kernels_rows_without_the_cpu_program_show_dashes_there():
+    # accelerator_only counts Karula with the accelerators' linear algebra only: its CPU
+    # columns are "-", its ratio and sites come from the accelerator count
+    from experiments import bench_kernels as bk
+
+    def window(launches, iterations, sites):
+        return dict(rounds=[10, 20], launches=launches, iterations=iterations, by_site=sites)
+
+    fedavg = {w: window(500.0, 0.0, {}) for w in ("early", "late")}
+    acc = {w: window(1500.0, 4.0, {"laplacian.py:1": 900.0}) for w in ("early", "late")}
+    cpu = {w: window(5000.0, 4.0, {"_linalg.py:2": 4000.0}) for w in ("early", "late")}
+    base = {"n": 7, "s": 2, "FedAvg": fedavg, "Karula, accelerator linalg": acc}
+    cells = [c.strip() for c in bk._rows([base])[0].split("|")]
+    assert cells[:6] == ["7", "early (11-20)", "500", "-", "-", "-"]
+    assert cells[6:] == ["1,500", "4.00", "3.0x", "laplacian.py:1 900"]
+    cells = [c.strip() for c in bk._rows([{**base, "Karula": cpu}])[1].split("|")]
+    assert cells[1:6] == ["late (11-20)", "500", "5,000", "4.00", "10.0x"]
+    assert cells[-1] == "_linalg.py:2 4,000"
