@@ -57,38 +57,46 @@ def test_rows_state_the_budget_and_what_it_affords():
         active=0.25, k=5, iterations=3, evaluations=2, hessian_products=8,
         certificates_gram=3, certificates_exact=1, screen=0.5, reduction=1.0,
         violation_check=0.5, evaluation=1.5, hessian_product=0.5, certificate_gram=1.0,
-        certificate_exact=2.0, sparse_product=1.5,
+        certificate_exact=2.0, sparse_product=1.5, sparse_entries=2.0,
     )  # fmt: skip
     round_row, anatomy = ([c.strip() for c in row.split("|")] for row in bf.rows_of(result))
     assert round_row[4] == "2.0x" and round_row[-1] == "26.0"
     assert anatomy[5] == "3 / 1" and anatomy[6] == "2.0"
-    assert anatomy[-4:] == ["112%", "10.0", "32", "1.50 (3.0x)"]
+    assert anatomy[-4:] == ["112%", "10.0", "32", "1.50 / 2.00 (3.0x)"]
     # a budget below the fixed costs affords nothing
     assert bf.rows_of({**result, "target": 1.0})[1].split("|")[-2].strip() == "0"
 
 
 @pytest.mark.parametrize("n", [2, 7, 12])
-def test_the_pair_sparse_product_is_the_dense_one_on_its_pairs(n):
+def test_the_pair_sparse_products_are_the_dense_one_on_their_pairs(n):
     # A random evaluation and a direction on a random third of the pairs (n = 2: the
-    # one pair): the pair-by-pair product equals the solver's dense one there, to
-    # float32 rounding: sums of up to 2n terms, none above max|A^-1| max|G| sum|x|.
+    # one pair), one of them unconstrained (radius inf, where the product is 0) from n =
+    # 7 on: both pair-by-pair forms equal the solver's dense product there.
     rng = np.random.default_rng(n)
     w = jnp.asarray(rng.normal(size=(n, 4)), jnp.float32)
     lam = np.triu(rng.random((n, n)) * (rng.random((n, n)) < 0.5), 1)
     lam = jnp.asarray(lam + lam.T, jnp.float32)
-    red = reduction.reduce_problem(w, jnp.full((n, n), 0.5, jnp.float32), rotate=False)
-    mask = certificate.dual_mask(red)
-    ev = certificate.dual_eval(lam, red, gram=False)
+    r2 = np.full((n, n), 0.5, np.float32)
     x = np.triu(rng.normal(size=(n, n)) * (rng.random((n, n)) < 0.35), 1)
     x[0, 1] = 1.0  # at least one pair
+    if n > 2:
+        r2[0, n - 1] = r2[n - 1, 0] = np.inf
+        x[0, n - 1] = 2.0
+    red = reduction.reduce_problem(w, jnp.asarray(r2), rotate=False)
+    mask = certificate.dual_mask(red)
+    ev = certificate.dual_eval(jnp.where(mask, lam, 0.0), red, gram=False)
     x = jnp.asarray(x + x.T, jnp.float32)
-    product, args = bf.sparse_product(ev, mask, x)
-    iu, ju = np.triu_indices(n, 1)
-    on = np.asarray(x)[iu, ju] != 0
-    dense = np.asarray(pair_algebra.hvp(ev, mask, x))[iu[on], ju[on]]
+    (pi, pj), forms = bf.sparse_products(ev, mask, x)
+    dense = np.asarray(pair_algebra.hvp(ev, mask, x))[pi, pj]
+    assert len(dense) == int(np.count_nonzero(np.triu(np.asarray(x), 1)))
+    # float32 rounding: sums of up to 2n terms, none above max|A^-1| max|G| sum|x|
     term = float(jnp.max(jnp.abs(ev.a_inv)) * jnp.max(jnp.abs(ev.gram)) * jnp.sum(jnp.abs(x)))
     atol = 4 * n * np.finfo(np.float32).eps * term
-    np.testing.assert_allclose(np.asarray(product(*args)), dense, rtol=0, atol=atol)
+    for form in forms.values():
+        got = np.asarray(form(ev, x[pi, pj]))
+        np.testing.assert_allclose(got, dense, rtol=0, atol=atol)
+        if n > 2:
+            assert got[(np.asarray(pi) == 0) & (np.asarray(pj) == n - 1)] == 0.0
 
 
 def test_quick_run_prints_both_tables_with_the_active_share(capsys, tmp_path):
