@@ -86,11 +86,12 @@ def test_direct_step_solves_the_damped_system_on_the_free_pairs(n, p):
 
 def test_over_the_cap_it_is_the_cg_solver(monkeypatch):
     # a cap of one pair a client: every Newton system falls back to CG, so the iterations
-    # and the answer are the CG solver's
+    # and the answer are the CG solver's (k = 12 of n = 14: not low_rank, so the direct
+    # path is compiled and reached)
     rng = np.random.default_rng(3)
-    n, p = 14, 6
+    n, p = 14, 12
     v = jnp.asarray(rng.normal(size=(n, p)), jnp.float32)
-    radii_sq = jnp.full((n, n), 0.02 * p, jnp.float32) * (1 - jnp.eye(n))
+    radii_sq = jnp.full((n, n), 0.004 * p, jnp.float32) * (1 - jnp.eye(n))
     monkeypatch.setattr(laplacian, "_DIRECT_PAIRS_PER_CLIENT", 1)
     jax.clear_caches()
     try:
@@ -110,7 +111,7 @@ def test_within_the_cap_no_step_is_taken_by_cg(monkeypatch):
     # search falls back to the diagonal step: 58 against 14 iterations, measured)
     rng = np.random.default_rng(5)
     cases = []
-    for n, p in [(7, 3), (20, 40)]:
+    for n, p in [(7, 6), (20, 40)]:  # k = 6 and 20: not low_rank, the direct path runs
         v = jnp.asarray(rng.normal(size=(n, p)), jnp.float32)
         d = rng.uniform(0.5, 1.5, size=(n, n))
         cases.append((v, jnp.asarray(0.01 * p * np.minimum(d, d.T) * (1 - np.eye(n)), jnp.float32)))
@@ -137,11 +138,27 @@ def test_within_the_cap_no_step_is_taken_by_cg(monkeypatch):
     assert all(int(a[1].iterations) != int(b[1].iterations) for a, b in pairs)
 
 
+@pytest.mark.parametrize("n,p", [(8, 1), (12, 1), (12, 3), (15, 9)])
+def test_where_the_models_span_few_dimensions_it_is_the_cg_solver(n, p):
+    # low_rank (3k < 2n): the direct solver runs CG throughout, the same iterations to the
+    # same answer, bit for bit (the same program)
+    rng = np.random.default_rng(n + p)
+    v = jnp.asarray(rng.normal(size=(n, p)), jnp.float32)
+    d = rng.uniform(0.5, 1.5, size=(n, n))
+    radii_sq = jnp.asarray(0.01 * p * np.minimum(d, d.T) * (1 - np.eye(n)), jnp.float32)
+    th_d, info_d = proj.project(v, radii_sq, method="laplacian_direct", tol=1e-6)
+    th_c, info_c = proj.project(v, radii_sq, method="laplacian", tol=1e-6)
+    assert int(info_c.iterations) > 0 and bool(info_d.converged)
+    assert int(info_d.iterations) == int(info_c.iterations)
+    np.testing.assert_array_equal(np.asarray(th_d), np.asarray(th_c))
+
+
 @pytest.mark.parametrize("n", [8, 12])
 def test_singular_pair_hessian_gives_an_ascent_step_or_cg(n):
     # p = 1: many more free pairs than the pair Hessian's rank, and the solver's own tiny
     # mu (eps times the largest diagonal): the formed system is singular up to its ridge.
-    # A step the direct solve accepts ascends (x . b > 0); the projection converges
+    # A step the direct solve accepts ascends (x . b > 0). (The solver itself takes CG
+    # there, p = 1 being low_rank: the test above.)
     _, _, red, mask, ev = _problem(n + 200, n, 1, c=0.01)
     free = mask
     rhs = jnp.where(free, pair_algebra.symmetric(ev.grad), 0.0)
@@ -152,6 +169,3 @@ def test_singular_pair_hessian_gives_an_ascent_step_or_cg(n):
     step, ok = laplacian._pair_newton_step(ev, free, rhs, mu, n * (n - 1) // 2)
     assert not bool(ok) or float(pair_algebra.pair_dot(step, rhs)) > 0
     assert np.all(np.isfinite(np.asarray(step))) or not bool(ok)
-    v, radii_sq = _problem(n + 200, n, 1, c=0.01)[:2]
-    _, info = proj.project(jnp.asarray(v), jnp.asarray(radii_sq), method="laplacian_direct")
-    assert bool(info.converged) and float(info.rel_violation) <= 1e-5

@@ -63,8 +63,9 @@ one vector of dual state per pair); ``"laplacian"`` is a projected Newton-CG asc
 the ``n x n`` multipliers only (no per-pair vectors), for many clients;
 ``"laplacian_direct"`` is the same ascent with each Newton system on the free pairs
 formed and factorized (one ``[q, q]`` solve, ``q <= min(8n, 2048)`` free pairs, instead
-of CG's loop of Hessian products; CG beyond), a few large kernels a step for accelerators
-(on the CPU its ``O(q^3)`` elimination is slower); ``"fista"`` is an
+of CG's loop of Hessian products; CG beyond, and wherever the models span few dimensions,
+``3k < 2n``), a few large kernels a step for accelerators (on the CPU its ``O(q^3)``
+elimination is slower); ``"fista"`` is an
 accelerated projected gradient ascent on the same multipliers whose iteration is a few
 ``n x n``-sized kernels with no inner loop, run in fixed-trip ``lax.scan`` blocks of 10
 with the certificate once a block (on the CPU slower than ``"laplacian"``: 5-12x its

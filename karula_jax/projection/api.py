@@ -557,7 +557,8 @@ def project(
       method: a solver of ``karula_jax.projection.solvers.SOLVERS``: ``"dykstra"``
         (cyclic Dykstra over all pairs; state ``O(n^2 p)``), ``"laplacian"`` (Newton dual
         ascent on the ``n x n`` multipliers), ``"laplacian_direct"`` (the same, each Newton
-        system on at most ``min(8n, 2048)`` free pairs factorized instead of solved by CG) or
+        system on at most ``min(8n, 2048)`` free pairs factorized instead of solved by CG,
+        where the models span at least ``2n / 3`` dimensions; else the CG solver) or
         ``"fista"`` (accelerated projected gradient
         on the same multipliers, fixed-trip blocks; slower on the CPU); ``"auto"``:
         :func:`choose_method` of the static ``n`` and ``p``; ``"none"``: no projection (an
