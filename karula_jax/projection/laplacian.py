@@ -66,11 +66,6 @@ _DIRECT_RIDGE = 8.0
 # ... and at most this many pairs in all: a [cap, cap] system of 2048 is 16 MiB and one
 # factorization of 2.9 GFLOP; beyond it CG's Hessian products are the cheaper solve.
 _DIRECT_MAX_PAIRS = 2048
-# Where the models span few dimensions (``low_rank``: 3k < 2n) the pair Hessian's Gram
-# factor has rank at most k, and exact steps on many free pairs overshoot where CG's
-# truncated ones do not: on the synthetic study's ridge clients at n = 300 (k = 50) the
-# direct steps took 13.0 Newton iterations a round against CG's 6.0 (a ridge of up to
-# 1e5 eps: 8.3), and at p = 1 the system is singular. There ``direct`` runs the CG solver.
 
 
 def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False) -> SolverResult:
@@ -98,7 +93,12 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
     n = red.w.shape[0]
     pairs = n * (n - 1) // 2
     is_low_rank = low_rank(*red.w.shape)
-    direct = direct and not is_low_rank  # see _DIRECT_MAX_PAIRS
+    # Where the models span few dimensions the pair Hessian's Gram factor has rank at most
+    # k, and exact steps on many free pairs overshoot where CG's truncated ones do not: on
+    # the synthetic study's ridge clients at n = 300 (k = 50) the direct steps took 13.0
+    # Newton iterations a round against CG's 6.0 (a ridge of up to 1e5 eps: 8.3), and at
+    # p = 1 the system is singular. There ``direct`` runs the CG solver.
+    direct = direct and not is_low_rank
     direct_cap = min(pairs, _DIRECT_PAIRS_PER_CLIENT * n, _DIRECT_MAX_PAIRS) if direct else 0
     gram = red.w.shape[0] > _GRAM_ABOVE
     cg_iter = _CG_MAX_ITER_LARGE if gram else _CG_MAX_ITER
