@@ -32,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.sparse import csgraph, csr_matrix
 
 from experiments.paths import OUTPUT
 from karula_jax import algorithms as A
@@ -189,6 +190,16 @@ def sparse_products(ev, mask, x):
     return (pi, pj), {"one product": one_product, "entries": entries}
 
 
+def active_components(lam) -> tuple[int, int]:
+    """(number, largest size in clients) of the connected components of the graph whose
+    edges are the pairs with a positive multiplier, ``lam`` ``[n, n]``; a client in no such
+    pair is a component of its own. Where it splits, ``M + L_lam`` is block diagonal and each
+    block's clients could be solved apart; one component of ``n`` leaves no such block."""
+    edges = csr_matrix(np.triu(np.asarray(lam) > 0, 1))
+    count, labels = csgraph.connected_components(edges, directed=False)
+    return int(count), int(np.bincount(labels).max())
+
+
 def unit_costs(v, r2, warm, reps: int) -> dict:
     """Milliseconds of what a projection of ``v`` [n, p] runs around its solver (the
     screen's Gram product, the reduction onto the span, the exact violation check of the
@@ -284,6 +295,9 @@ def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
         rows["iterations"].append(int(info.iterations))
         lam = np.asarray(info.state.lam)
         rows["active"].append(np.count_nonzero(np.triu(lam, 1)) / (n * (n - 1) / 2))
+        count, largest = active_components(lam)
+        rows["components"].append(count)
+        rows["largest_component"].append(largest)
         # the three rounds, in turn, each from a copy of the same state
         for name in ("fedavg", "bare", "karula"):
             state = states["fedavg"] if name == "fedavg" else start
@@ -314,7 +328,8 @@ def bench_n(cfg: FloorConfig, n: int, target: float) -> dict:
 
 
 ROUND_HEAD = (
-    "n | pairs with lam > 0 | FedAvg ms | Karula ms | ratio | round without projection ms"
+    "n | pairs with lam > 0 | components of their graph (largest, clients) | FedAvg ms"
+    " | Karula ms | ratio | round without projection ms"
     " | projection ms (alone) | target | budget for the projection ms"
 )
 ANATOMY_HEAD = (
@@ -346,7 +361,9 @@ def rows_of(result: dict) -> tuple[str, str]:
     explained = (fixed + r["hessian_products"] * r["hessian_product"]) / r["projection_ms"]
     afford = max(budget - fixed, 0.0) / r["hessian_product"]
     round_row = (
-        f"{r['n']} | {100 * r['active']:.1f}% | {r['fedavg_ms']:.1f} | {r['karula_ms']:.1f} | "
+        f"{r['n']} | {100 * r['active']:.1f}% | "
+        f"{r['components']:.0f} ({r['largest_component']:.0f}) | "
+        f"{r['fedavg_ms']:.1f} | {r['karula_ms']:.1f} | "
         f"{r['karula_ms'] / r['fedavg_ms']:.1f}x | {r['bare_ms']:.1f} | "
         f"{r['projection_ms']:.1f} | {r['target']:g}x | {budget:.1f}"
     )
@@ -372,7 +389,9 @@ def to_markdown(cfg, argv, results) -> str:
         "Medians over the captured rounds (rounds "
         f"{cfg.warmup + 1}-{cfg.warmup + cfg.rounds}); rounds timed in turn in one process. "
         "Budget for the projection: target x FedAvg's round - the round without "
-        "projection.\n",
+        "projection. Components: of the graph whose edges are the pairs with lam > 0 "
+        "(`active_components`); one of n clients means M + L_lam has no diagonal block "
+        "that could be solved apart.\n",
         (ROUND_HEAD, [a for a, _ in rows]),
         "\nThe projection taken apart: the solver's calls counted in a separate run, unit "
         "costs timed on the last captured problem, each a compiled call of its own (one "

@@ -33,7 +33,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # durations 870 s against 1,372 s (2026-11-29, run back to back).
 # jax 0.12's XLA has no such switch; its --xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE
 # is no substitute (test_projection.py and test_alg_baselines.py, -n 2, back to back: 278 s
-# against 258 s without it), so it is not set.
+# against 258 s without it), so it is not set. Nor do these shorten jax 0.12's compiles
+# (8 projection programs and two 50-round scans, 15.4-17.4 s with the flags below, each
+# variant within that spread, 2026-12-05): --xla_cpu_emitter_verification_level=0,
+# --xla_cpu_use_xnnpack=false, an empty --xla_cpu_experimental_ynn_fusion_type, XNN graph
+# fusions off, --xla_cpu_use_thunk_runtime=false, no copy-insertion region analysis, the
+# older xtile lowering, --xla_cpu_max_isa=AVX2 or SSE4_2, vector width 128, or glibc's
+# malloc tunables (GLIBC_TUNABLES). A profile of them is spread over XLA's MLIR emitters
+# (contexts and pattern sets built per fusion) and malloc, no single pass to switch off.
 _TEST_XLA_FLAGS = (
     ("--xla_backend_optimization_level", "0"),
     ("--xla_cpu_multi_thread_eigen", "false"),

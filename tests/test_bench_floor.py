@@ -54,17 +54,30 @@ def test_rows_state_the_budget_and_what_it_affords():
     # 0.5) / 12.5 = 112%
     result = dict(
         n=7, target=3.0, fedavg_ms=10.0, karula_ms=20.0, bare_ms=4.0, projection_ms=12.5,
-        active=0.25, k=5, iterations=3, evaluations=2, hessian_products=8,
+        active=0.25, components=2, largest_component=6, k=5, iterations=3, evaluations=2,
+        hessian_products=8,
         certificates_gram=3, certificates_exact=1, screen=0.5, reduction=1.0,
         violation_check=0.5, evaluation=1.5, hessian_product=0.5, certificate_gram=1.0,
         certificate_exact=2.0, sparse_product=1.5, sparse_entries=2.0,
     )  # fmt: skip
     round_row, anatomy = ([c.strip() for c in row.split("|")] for row in bf.rows_of(result))
-    assert round_row[4] == "2.0x" and round_row[-1] == "26.0"
+    assert round_row[2] == "2 (6)" and round_row[5] == "2.0x" and round_row[-1] == "26.0"
     assert anatomy[5] == "3 / 1" and anatomy[6] == "2.0"
     assert anatomy[-4:] == ["112%", "10.0", "32", "1.50 / 2.00 (3.0x)"]
     # a budget below the fixed costs affords nothing
     assert bf.rows_of({**result, "target": 1.0})[1].split("|")[-2].strip() == "0"
+
+
+def test_components_of_the_active_pairs_graph():
+    # pairs (0, 1), (1, 2) and (4, 5) active, (3, 4) at 0: {0, 1, 2}, {3}, {4, 5}; only the
+    # upper triangle is read, a lower-triangle entry alone joins nothing
+    lam = np.zeros((6, 6))
+    for i, j in [(0, 1), (1, 2), (4, 5)]:
+        lam[i, j] = lam[j, i] = 0.5
+    lam[3, 0] = 1.0
+    assert bf.active_components(lam) == (3, 3)
+    assert bf.active_components(np.zeros((1, 1))) == (1, 1)
+    assert bf.active_components(np.ones((4, 4)) - np.eye(4)) == (1, 4)
 
 
 @pytest.mark.parametrize("n", [2, 7, 12])
@@ -112,6 +125,8 @@ def test_quick_run_prints_both_tables_with_the_active_share(capsys, tmp_path):
     assert len(rows) == 2
     round_row, anatomy = rows
     assert round_row[1].endswith("%") and 0 < float(round_row[1][:-1]) <= 100
+    count, largest = (float(c) for c in round_row[2].rstrip(")").split(" ("))
+    assert 1 <= count <= 20 and 1 <= largest <= 20  # n = 20
     # evaluations, Hessian products and certificates were counted (t = 1e-3 binds)
     assert int(anatomy[3]) > 0 and int(anatomy[4]) > 0
     gram, exact = (int(c) for c in anatomy[5].split(" / "))
