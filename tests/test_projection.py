@@ -5,6 +5,7 @@ exact to ~1e-13 of the problem scale; float32 tests check the default path with
 tolerances that float32 can honestly reach.
 """
 
+import collections
 import inspect
 
 import chex
@@ -626,7 +627,9 @@ def test_shrink_toward_the_mean_is_certified(n, p):
     """A point just outside (every pair 1e-5 beyond its radius, as after a small move
     from the last round's projection) comes back shrunk toward its mean without a
     solver; its gap (float64, against cvxpy) and its violation bound (float32 and
-    float64, against exact distances) hold."""
+    float64, against exact distances) hold. The screen runs before any solver, the same
+    code whichever is named: float64 for every solver (each dispatches to it), float32
+    for the default one only (each is a compile of the whole projection)."""
     rng = np.random.default_rng(n)
     v = rng.normal(size=(n, p)) + 3.0  # rows far from 0: rounding is relative to |v|
     d2 = ((v[:, None] - v[None]) ** 2).sum(-1)
@@ -635,36 +638,35 @@ def test_shrink_toward_the_mean_is_certified(n, p):
     ref = cvxpy_projection(v, radii_sq)
     scale = _scale(v)
     rmax = np.sqrt(radii_sq.max())
-    for method in SOLVERS:
-        for x64 in (True, False):
-            with jax.enable_x64(x64):
-                dt = jnp.float64 if x64 else jnp.float32
-                warm = proj.init_projection_state(jnp.asarray(v, dt), method=method)
-                th, info = proj.project(
-                    jnp.asarray(v, dt),
-                    jnp.asarray(radii_sq, dt),
-                    method=method,
-                    warm_start=jax.tree.map(jnp.ones_like, warm),
-                )
-            case = (method, x64)
-            eps = EPS64 if x64 else EPS32
-            assert int(info.iterations) == 0 and bool(info.converged), case
-            assert not np.any(np.asarray(info.state.lam)), case
-            # certified by the screen: gap <= tol (float32: one more rounding of it)
-            assert 0 < float(info.rel_delta) <= DEFAULT_TOL * (1 + 2 * eps), case
-            th = np.asarray(th, np.float64)
-            # the reported bound holds, up to our float64 distances of p terms
-            measured = reordered_sum(p + 2, eps=EPS64) * rmax
-            assert _max_violation(th, radii_sq) <= float(info.max_violation) + measured, case
-            # the screen's bound: rounding of the shrunk rows, 2 eps (|x_i| + |x_j|)
-            assert float(info.max_violation) <= _rounding_violation(v, eps), case
-            # the shrink keeps the mean: n rows rounded, their float mean (n + 3 roundings)
-            atol = reordered_sum(n + 3, eps=eps) * np.abs(v).max()
-            np.testing.assert_allclose(th.mean(0), v.mean(0), rtol=0, atol=atol)
-            if x64:  # the certificate: objective minus the optimum is at most delta
-                gap = 0.5 * np.sum((th - v) ** 2) - ref.value
-                slack = ref.value_error + _objective_rounding(v, th, scale, EPS64)
-                assert gap <= float(info.delta) + slack, case
+    for method, x64 in [(m, True) for m in SOLVERS] + [("auto", False)]:
+        with jax.enable_x64(x64):
+            dt = jnp.float64 if x64 else jnp.float32
+            warm = proj.init_projection_state(jnp.asarray(v, dt), method=method)
+            th, info = proj.project(
+                jnp.asarray(v, dt),
+                jnp.asarray(radii_sq, dt),
+                method=method,
+                warm_start=jax.tree.map(jnp.ones_like, warm),
+            )
+        case = (method, x64)
+        eps = EPS64 if x64 else EPS32
+        assert int(info.iterations) == 0 and bool(info.converged), case
+        assert not np.any(np.asarray(info.state.lam)), case
+        # certified by the screen: gap <= tol (float32: one more rounding of it)
+        assert 0 < float(info.rel_delta) <= DEFAULT_TOL * (1 + 2 * eps), case
+        th = np.asarray(th, np.float64)
+        # the reported bound holds, up to our float64 distances of p terms
+        measured = reordered_sum(p + 2, eps=EPS64) * rmax
+        assert _max_violation(th, radii_sq) <= float(info.max_violation) + measured, case
+        # the screen's bound: rounding of the shrunk rows, 2 eps (|x_i| + |x_j|)
+        assert float(info.max_violation) <= _rounding_violation(v, eps), case
+        # the shrink keeps the mean: n rows rounded, their float mean (n + 3 roundings)
+        atol = reordered_sum(n + 3, eps=eps) * np.abs(v).max()
+        np.testing.assert_allclose(th.mean(0), v.mean(0), rtol=0, atol=atol)
+        if x64:  # the certificate: objective minus the optimum is at most delta
+            gap = 0.5 * np.sum((th - v) ** 2) - ref.value
+            slack = ref.value_error + _objective_rounding(v, th, scale, EPS64)
+            assert gap <= float(info.delta) + slack, case
 
 
 @pytest.mark.parametrize("n, p, tol_d", [(100, 4, 1e-5), (60, 130, 1e-7)])
@@ -800,6 +802,62 @@ def test_pulled_certificate_is_feasible_and_no_worse_than_the_shrink(n):
         assert float(gap4) <= float(gap0)
         if n > 2:
             assert float(gap4) < 0.9 * float(gap0), (float(gap4), float(gap0))
+
+
+@pytest.mark.parametrize("n, p", [(1, 3), (2, 1), (7, 40), (30, 5)])
+def test_shrink_takes_the_distances_it_is_given(n, p):
+    """``restore(sq_dists=...)`` shrinks by the distances handed to it: given the exact
+    ones it is the default shrink bit for bit; given those of the Gram matrix
+    (``sq_dists_of_gram``, what the Laplacian solver's iterates pass) it is the Gram shrink,
+    which measures them from a second product, up to the rounding of the two. Both match
+    float64 distances within the Gram matrix's rounding."""
+    from karula_jax.projection import reduction
+
+    rng = np.random.default_rng(n + p)
+    th = jnp.asarray(rng.normal(size=(n, p)) + 2.0, jnp.float32)
+    th64 = np.asarray(th, np.float64)
+    exact64 = ((th64[:, None] - th64[None]) ** 2).sum(-1)
+    radius = np.sqrt(0.5 * exact64) + np.diag(np.full(n, np.inf))  # every pair violated
+    radius = jnp.asarray(radius, jnp.float32)
+    of_gram = reduction.sq_dists_of_gram(th @ th.T)
+    # a Gram entry rounds by p eps |th_i| |th_j|; the distance's three terms add two more
+    sq = (th64 * th64).sum(-1)
+    bound = (p + 2) * EPS32 * (sq[:, None] + sq[None, :])
+    assert np.all(np.abs(np.asarray(of_gram, np.float64) - exact64) <= bound)
+    given = reduction.restore(th, radius, sq_dists=reduction.sq_dists_exact(th))
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(reduction.restore(th, radius)))
+    from_gram = reduction.restore(th, radius, sq_dists=of_gram)
+    gram = reduction.restore(th, radius, gram=True)
+    if n > 1:  # beta < 1: the shrink ran
+        assert float(jnp.max(jnp.abs(gram))) < float(jnp.max(jnp.abs(th)))
+    # beta from the two measurements: each distance within ``bound`` of the exact one, so
+    # beta within half its relative error, times each coordinate
+    rel = np.max(np.where(exact64 > 0, bound / np.where(exact64 > 0, exact64, 1.0), 0.0))
+    atol = (rel + 4 * EPS32) * float(jnp.max(jnp.abs(th)))
+    np.testing.assert_allclose(np.asarray(from_gram), np.asarray(gram), rtol=0, atol=atol)
+
+
+def test_iterates_certified_from_the_evaluations_gram_take_the_same_path(monkeypatch):
+    """Above 96 clients the Laplacian solver certifies its iterates with distances from
+    each evaluation's Gram matrix; forming that matrix again (as it did before) takes the
+    same iterations to the same answer, within the two certified distances."""
+    from karula_jax.projection import laplacian
+
+    v, radii_sq = _instance(3, 100, 80, "uneven")  # k = 80: not low rank, not rotated
+    radii_sq *= np.median(((v[:, None] - v[None]) ** 2).sum(-1)) / 10.0
+    v, radii_sq = jnp.asarray(v, jnp.float32), jnp.asarray(radii_sq, jnp.float32)
+    jax.clear_caches()
+    th, info = proj.project(v, radii_sq, method="laplacian")
+    monkeypatch.setattr(laplacian, "sq_dists_of_gram", lambda gm: None)
+    jax.clear_caches()
+    try:
+        th_again, info_again = proj.project(v, radii_sq, method="laplacian")
+    finally:
+        jax.clear_caches()
+    assert bool(info.converged) and int(info.iterations) > 1
+    assert int(info_again.iterations) == int(info.iterations)
+    atol = certified_distance(float(info.delta)) + certified_distance(float(info_again.delta))
+    np.testing.assert_allclose(np.asarray(th), np.asarray(th_again), rtol=0, atol=atol)
 
 
 def test_recertified_gram_evaluation_equals_the_certified_one():
@@ -991,6 +1049,38 @@ def test_newton_ascent_is_monotone_on_degenerate_duals():
         assert g[-1] > g[0]
         margin = resolution + 2 * (differ[:-1] + differ[1:])
         assert np.all(g[1:] >= g[:-1] - margin), np.max(g[:-1] - g[1:])
+
+
+def test_line_search_passes_over_only_trials_that_cannot_pass(monkeypatch):
+    """The Laplacian solver's line search skips, unevaluated, the trials whose first-order
+    gain is below -64 eps |g| (g concave: none can pass). Evaluating every trial instead
+    (``_PASS_OVER_HOPELESS`` off) takes the same iterations to the same answer, bit for
+    bit, with more evaluations on a degenerate dual whose Newton steps clipping spoils
+    (p = 1: 72 against 78, measured), and as many where none is spoilt."""
+    from experiments.bench_floor import counting
+    from experiments.bench_projection import hard_instance
+    from karula_jax.projection import laplacian
+
+    def run(v, radii_sq, pass_over):
+        monkeypatch.setattr(laplacian, "_PASS_OVER_HOPELESS", pass_over)
+        counts = collections.Counter()
+        with counting(counts):
+            th, info = jax.block_until_ready(
+                proj.project(v, radii_sq, method="laplacian", tol=1e-6)
+            )
+        return np.asarray(th), int(info.iterations), counts["evaluations"]
+
+    fewer = []
+    for n, p, seed in [(30, 1, 5), (12, 2, 1)]:
+        instance = hard_instance(n, p, "gauss", np.random.default_rng(seed))
+        v, radii_sq = (jnp.asarray(a) for a in instance)
+        th, iterations, evaluations = run(v, radii_sq, True)
+        th_all, iterations_all, evaluations_all = run(v, radii_sq, False)
+        assert iterations == iterations_all > 1
+        np.testing.assert_array_equal(th, th_all)
+        assert evaluations <= evaluations_all
+        fewer.append(evaluations < evaluations_all)
+    assert fewer == [True, False]
 
 
 def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):

@@ -7,7 +7,12 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from karula_jax import _linalg
-from karula_jax.projection.reduction import pull_violated, restore, sq_dists_exact
+from karula_jax.projection.reduction import (
+    pull_violated,
+    restore,
+    sq_dists_exact,
+    sq_dists_of_gram,
+)
 
 
 def primal_value(th, red):
@@ -51,11 +56,7 @@ def _at(lam, th, a_inv, gm, red, *, gram):
     """The :class:`DualEval` of ``theta(lam) = th``: ``g`` (uncertified) and its gradient
     from the squared distances (through ``gm`` with ``gram``, else exact)."""
     mask = dual_mask(red)
-    if gram:
-        sq = jnp.diag(gm)
-        d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
-    else:
-        d2 = sq_dists_exact(th)
+    d2 = sq_dists_of_gram(gm) if gram else sq_dists_exact(th)
     slack = jnp.where(mask, d2 - jnp.where(mask, red.radius, 0.0) ** 2, 0.0)
     g = primal_value(th, red) + 0.25 * jnp.sum(lam * slack)  # 1/2 sum_{i<j}
     return DualEval(th, g, 0.5 * slack, a_inv, gm)
@@ -89,14 +90,17 @@ def should_stop(delta, red, tol):
     return (delta <= tol * red.scale) | ~jnp.isfinite(delta)
 
 
-def restore_and_certify(th, g, red, *, gram=False, sweeps=0):
+def restore_and_certify(th, g, red, *, gram=False, sweeps=0, sq_dists=None):
     """(restored theta, certified suboptimality) for a primal iterate and a dual bound.
+
+    ``sq_dists``: ``th``'s squared distances where the caller has them, for its shrink
+    (:func:`~karula_jax.projection.reduction.restore`).
 
     With ``sweeps`` (a traced count, > 0 where wanted) the iterate is also repaired by
     :func:`~karula_jax.projection.reduction.pull_violated` before its shrink, and the
     feasible point with the smaller gap is kept; either is exactly feasible.
     """
-    shrunk = restore(th, red.radius, gram=gram)
+    shrunk = restore(th, red.radius, gram=gram, sq_dists=sq_dists)
     gap = primal_value(shrunk, red) - g
     if isinstance(sweeps, int) and sweeps == 0:
         return shrunk, jnp.maximum(gap, 0.0)

@@ -38,6 +38,13 @@ def sq_dists_gram(th):
     return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (th @ th.T), 0.0)
 
 
+def sq_dists_of_gram(gm):
+    """Squared distances between rows from their Gram matrix ``gm`` [n, n] (as
+    :func:`sq_dists_gram`, the norms from its diagonal), without a product."""
+    sq = jnp.diag(gm)
+    return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * gm, 0.0)
+
+
 def _components(zero):
     """Labels of connected components (label = smallest member index). [n, n] bool."""
     n = zero.shape[0]
@@ -133,8 +140,12 @@ def pull_violated(th, radius, mass, sweeps):
     return jax.lax.fori_loop(0, sweeps, sweep, th)
 
 
-def restore(th, radius, *, gram=False):
+def restore(th, radius, *, gram=False, sq_dists=None):
     """Shrink toward the (weighted) mean, here 0, until every constraint holds.
+
+    ``sq_dists``: the squared distances of ``th``'s rows where the caller has them
+    (:func:`sq_dists_of_gram` of a Gram matrix it formed); else measured here, through
+    the Gram matrix with ``gram``, by explicit differences without.
 
     The margin (4 eps of each radius) covers the rounding of the distances and of the
     ratio, not all of the product's: ``th * beta`` rounds each coordinate by up to ``eps``
@@ -146,7 +157,9 @@ def restore(th, radius, *, gram=False):
     shrink (that would cost float32 its certificate at the default tolerance).
     """
     eps = jnp.finfo(th.dtype).eps
-    d = jnp.sqrt(sq_dists_gram(th) if gram else sq_dists_exact(th))
+    if sq_dists is None:
+        sq_dists = sq_dists_gram(th) if gram else sq_dists_exact(th)
+    d = jnp.sqrt(sq_dists)
     ok = jnp.isfinite(radius) & (d > 0)
     ratio = jnp.where(ok, radius * (1.0 - 4.0 * eps) / jnp.where(ok, d, 1.0), jnp.inf)
     beta = jnp.minimum(1.0, jnp.min(ratio))
