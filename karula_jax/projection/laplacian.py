@@ -126,64 +126,6 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
         sweeps = jnp.where(lagrangian_gap <= tol * red.scale, _SWEEPS, 0)
         return restore_and_certify(ev.th, ev.g, red, gram=gram, sweeps=sweeps, sq_dists=sq)
 
-    def line_search(lam, ev, s, s_diag, running, evaluate):
-        """Armijo search along the projected path of the Newton step ``s`` (31 halvings
-        from 1), then, where all fail, of the diagonally scaled gradient step ``s_diag``
-        (31 more), one loop (one compiled trial), the trials that concavity rules out
-        passed over first: (point, evaluation, accepted, trials)."""
-        # The same for every trial: the KKT residual and g's float resolution here.
-        kkt, res = _kkt(red, mask, lam, ev), 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
-
-        def trial(alpha, step):
-            new = symmetric(jnp.maximum(lam + alpha * step, 0.0))
-            ev_new = evaluate(new)
-            gain = pair_dot(ev.grad, new - lam)
-            ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
-            # Below g's float resolution a step keeping g within it is accepted on a
-            # smaller KKT residual (not one losing more: degenerate duals stalled).
-            flat = (jnp.abs(gain) <= res) & (ev_new.g >= ev.g - res)
-            ok = ok | (flat & (_kkt(red, mask, new, ev_new) < kkt))
-            return new, ev_new, ok
-
-        def next_alpha(alpha, count):  # trial ``count``'s step length (the fallback restarts)
-            return jnp.where(count == _HALVINGS, 1.0, 0.5 * alpha)
-
-        def direction(count):
-            return jnp.where(count < _HALVINGS, s, s_diag)
-
-        def hopeless(c):
-            # g is concave, so g(new) <= g + gain: a trial whose first-order gain along
-            # the projected path is below -res cannot pass and is passed over without its
-            # evaluation (O(n^2), not O(n^3)). Where clipping at 0 spoils a Newton step
-            # the first halvings are such trials: on the binding MLP at n = 1000 its two
-            # hardest of six rounds took 45 and 47 evaluations instead of 56.
-            alpha, count = next_alpha(*c), c[1]
-            new = symmetric(jnp.maximum(lam + alpha * direction(count), 0.0))
-            ruled_out = (pair_dot(ev.grad, new - lam) < -res) & _PASS_OVER_HOPELESS
-            return ruled_out & (count < 2 * _HALVINGS) & running
-
-        def cond(c):
-            return (~c[3]) & (c[4] < 2 * _HALVINGS) & running
-
-        def body(c):
-            count = c[4]
-            alpha = next_alpha(c[0], count)
-            new, ev_new, ok = trial(alpha, direction(count))
-            return alpha, new, ev_new, ok, count + 1
-
-        # The first trial (alpha = 1) runs inside the loop too, so that a member that is
-        # not ``running`` evaluates nothing (under vmap a call outside the loop would run
-        # for every member, also where its result is dropped). The trials passed over
-        # count as trials (the damping rule sees the same counts).
-        alpha_prev, count = jax.lax.while_loop(
-            hopeless,
-            lambda c: (next_alpha(*c), c[1] + 1),
-            (jnp.asarray(2.0, lam.dtype), jnp.int32(0)),
-        )
-        init = (alpha_prev, lam, ev, jnp.array(False), count)
-        out = jax.lax.while_loop(cond, body, init)
-        return out[1], out[2], out[3], out[4]
-
     def ascend(lam, ev, it, damping, stopped, evaluate, exact_distances, start=None):
         """Newton iterations from ``lam`` (``ev`` its evaluation, ``damping`` the
         Levenberg-Marquardt weight) until the certificate meets ``tol``, ``it`` reaches
@@ -204,7 +146,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
             running = ~done
             s, s_diag = _direction(red, mask, lam, ev, running, cg_iter, damping, direct_cap)
             # (s_diag is the fallback where clipping spoilt the Newton step)
-            new, ev_new, ok, trials = line_search(lam, ev, s, s_diag, running, evaluate)
+            new, ev_new, ok, trials = _line_search(red, mask, lam, ev, s, s_diag, running, evaluate)
             damping = _next_damping(damping, trials, ok)
             lam = jnp.where(ok, new, lam)
             ev = jax.tree.map(lambda a, b: jnp.where(ok, a, b), ev_new, ev)
@@ -237,6 +179,67 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
     th, delta = cert
     state = ProjectionState(lam=lam, pair_dual=jnp.zeros((0, red.w.shape[1]), red.w.dtype))
     return SolverResult(th, state, delta, it, delta <= tol * red.scale)
+
+
+def _line_search(red, mask, lam, ev, s, s_diag, running, evaluate):
+    """Armijo search along the projected path of the Newton step ``s`` (31 halvings
+    from 1), then, where all fail, of the diagonally scaled gradient step ``s_diag``
+    (31 more), one loop (one compiled trial), the trials that concavity rules out
+    passed over first: (point, evaluation, accepted, trials). From ``lam`` [n, n] (``ev``
+    its evaluation); ``evaluate`` evaluates a trial point; where ``running`` is False
+    nothing is evaluated."""
+    # The same for every trial: the KKT residual and g's float resolution here.
+    kkt, res = _kkt(red, mask, lam, ev), 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
+
+    def trial(alpha, step):
+        new = symmetric(jnp.maximum(lam + alpha * step, 0.0))
+        ev_new = evaluate(new)
+        gain = pair_dot(ev.grad, new - lam)
+        ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
+        # Below g's float resolution a step keeping g within it is accepted on a
+        # smaller KKT residual (not one losing more: degenerate duals stalled).
+        flat = (jnp.abs(gain) <= res) & (ev_new.g >= ev.g - res)
+        ok = ok | (flat & (_kkt(red, mask, new, ev_new) < kkt))
+        return new, ev_new, ok
+
+    def next_alpha(alpha, count):  # trial ``count``'s step length (the fallback restarts)
+        return jnp.where(count == _HALVINGS, 1.0, 0.5 * alpha)
+
+    def direction(count):
+        return jnp.where(count < _HALVINGS, s, s_diag)
+
+    def hopeless(c):
+        # g is concave, so g(new) <= g + gain: a trial whose first-order gain along
+        # the projected path is below -res cannot pass and is passed over without its
+        # evaluation (O(n^2), not O(n^3)). Where clipping at 0 spoils a Newton step
+        # the first halvings are such trials: on the binding MLP at n = 1000 its two
+        # hardest of six rounds took 45 and 47 evaluations instead of 56.
+        alpha, count = next_alpha(*c), c[1]
+        new = symmetric(jnp.maximum(lam + alpha * direction(count), 0.0))
+        ruled_out = (pair_dot(ev.grad, new - lam) < -res) & _PASS_OVER_HOPELESS
+        return ruled_out & (count < 2 * _HALVINGS) & running
+
+    def cond(c):
+        return (~c[3]) & (c[4] < 2 * _HALVINGS) & running
+
+    def body(c):
+        count = c[4]
+        alpha = next_alpha(c[0], count)
+        new, ev_new, ok = trial(alpha, direction(count))
+        return alpha, new, ev_new, ok, count + 1
+
+    # The first trial (alpha = 1) runs inside the loop too, so that a member that is
+    # not ``running`` evaluates nothing (under vmap a call outside the loop would run
+    # for every member, also where its result is dropped). The trials passed over
+    # count as trials (the damping rule sees the same counts).
+    alpha_prev, count = jax.lax.while_loop(
+        hopeless,
+        lambda c: (next_alpha(*c), c[1] + 1),
+        (jnp.asarray(2.0, lam.dtype), jnp.int32(0)),
+    )
+    init = (alpha_prev, lam, ev, jnp.array(False), count)
+    out = jax.lax.while_loop(cond, body, init)
+    return out[1], out[2], out[3], out[4]
 
 
 def _kkt(red, mask, lam, ev):
