@@ -39,7 +39,7 @@ _ENTER_ALL_BELOW = 0.05
 # Step halvings of a line search along one direction.
 _HALVINGS = 31
 # Whether the line search passes over, unevaluated, the trials that concavity rules out
-# (``line_search`` in ``solve``); False evaluates every trial (the tests compare the two).
+# (``_line_search``); False evaluates every trial (the tests compare the two).
 _PASS_OVER_HOPELESS = True
 # Sweeps of pull_violated before a certificate's shrink (see ``certify`` in ``solve``).
 _SWEEPS = 4
@@ -117,8 +117,8 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
         warm start). Only where the models span few dimensions (``low_rank``): a sweep
         costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README).
         With ``gram`` the shrink takes its distances from the evaluation's Gram matrix
-        (no second ``[n, k] x [k, n]`` product: at n = 1000 a sixth of a Newton
-        iteration's fixed cost)."""
+        (no second ``[n, k] x [k, n]`` product: at n = 1000 11.5 ms of an iteration's
+        55 ms of evaluation and certificate, ``results/bench/floor.md`` of 2026-12-05)."""
         sq = sq_dists_of_gram(ev.gram) if gram else None
         if not is_low_rank:
             return restore_and_certify(ev.th, ev.g, red, gram=gram, sq_dists=sq)
@@ -191,10 +191,13 @@ def _line_search(red, mask, lam, ev, s, s_diag, running, evaluate):
     # The same for every trial: the KKT residual and g's float resolution here.
     kkt, res = _kkt(red, mask, lam, ev), 64.0 * jnp.finfo(red.w.dtype).eps * jnp.abs(ev.g)
 
-    def trial(alpha, step):
+    def moved(alpha, step):  # the point on the projected path and its first-order gain
         new = symmetric(jnp.maximum(lam + alpha * step, 0.0))
+        return new, pair_dot(ev.grad, new - lam)
+
+    def trial(alpha, step):
+        new, gain = moved(alpha, step)
         ev_new = evaluate(new)
-        gain = pair_dot(ev.grad, new - lam)
         ok = (ev_new.g >= ev.g + 1e-4 * gain) & (ev_new.g > ev.g)
         # Below g's float resolution a step keeping g within it is accepted on a
         # smaller KKT residual (not one losing more: degenerate duals stalled).
@@ -214,9 +217,9 @@ def _line_search(red, mask, lam, ev, s, s_diag, running, evaluate):
         # evaluation (O(n^2), not O(n^3)). Where clipping at 0 spoils a Newton step
         # the first halvings are such trials: on the binding MLP at n = 1000 its two
         # hardest of six rounds took 45 and 47 evaluations instead of 56.
-        alpha, count = next_alpha(*c), c[1]
-        new = symmetric(jnp.maximum(lam + alpha * direction(count), 0.0))
-        ruled_out = (pair_dot(ev.grad, new - lam) < -res) & _PASS_OVER_HOPELESS
+        count = c[1]
+        _, gain = moved(next_alpha(*c), direction(count))
+        ruled_out = (gain < -res) & _PASS_OVER_HOPELESS
         return ruled_out & (count < 2 * _HALVINGS) & running
 
     def cond(c):
