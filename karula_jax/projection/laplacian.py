@@ -117,8 +117,7 @@ def solve(red, warm: ProjectionState, *, tol, max_iter, skip=False, direct=False
         warm start). Only where the models span few dimensions (``low_rank``): a sweep
         costs ``O(n^2 k)``, more than it saves where ``k`` nears ``n`` (bench README).
         With ``gram`` the shrink takes its distances from the evaluation's Gram matrix
-        (no second ``[n, k] x [k, n]`` product: at n = 1000 11.5 ms of an iteration's
-        55 ms of evaluation and certificate, ``results/bench/floor.md`` of 2026-12-05)."""
+        (no second ``[n, k] x [k, n]`` product; its cost is in ``results/bench/floor.md``)."""
         sq = sq_dists_of_gram(ev.gram) if gram else None
         if not is_low_rank:
             return restore_and_certify(ev.th, ev.g, red, gram=gram, sq_dists=sq)
