@@ -1117,6 +1117,44 @@ def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
         assert np.abs(residual[free]).max() <= 1e-8 * scale
 
 
+def test_refinement_goes_on_while_clipping_spoils_the_step(monkeypatch):
+    """A refined step that still takes free pairs below 0 can point downhill once clipped:
+    its first-order gain along the projected path ``max(lam + s, 0) - lam`` is negative,
+    and every trial of the line search along it fails. Then the step's face is refined
+    again (up to ``_REFINE_SPOILED`` passes in all), which turns the gain positive here;
+    a step that clipping leaves uphill keeps its one refinement (``_REFINE``) bit for bit,
+    also where free pairs still cross 0."""
+    from karula_jax.projection import certificate, laplacian, pair_algebra, reduction
+
+    def steps(seed, n, p):
+        v, radii_sq = _instance(seed, n, p, "groups")
+        rng = np.random.default_rng(seed)
+        red = reduction.reduce_problem(jnp.asarray(v), jnp.asarray(radii_sq), rotate=False)
+        mask = np.asarray(certificate.dual_mask(red))
+        lam = np.triu(rng.uniform(0, 1, size=(n, n)) * (rng.uniform(size=(n, n)) < 0.4), 1)
+        lam = jnp.asarray(np.where(mask, lam + lam.T, 0.0))
+        ev = certificate.dual_eval(lam, red, gram=False)
+        out = {}
+        for passes in (0, laplacian._REFINE_SPOILED):
+            monkeypatch.setattr(laplacian, "_REFINE_SPOILED", passes)
+            s = laplacian._direction(red, mask, lam, ev, True, 10)[0]
+            gain = pair_algebra.pair_dot(ev.grad, jnp.maximum(lam + s, 0.0) - lam)
+            out[passes] = np.asarray(s), float(gain)
+        crossing = mask & (np.asarray(lam) + out[0][0] < 0) & (out[0][0] != -np.asarray(lam))
+        assert crossing.any()  # after one refinement free pairs still cross 0
+        return out
+
+    assert laplacian._REFINE_SPOILED > laplacian._REFINE
+    with jax.enable_x64(True):  # the gains' signs, not float32 rounding of them
+        spoiled = steps(2, 16, 2)  # instances found by a search over random multipliers
+        uphill = steps(3, 8, 2)
+    (once, gain_once), (again, gain_again) = spoiled.values()
+    assert gain_once < 0 < gain_again and not np.array_equal(once, again)
+    (once, gain_once), (again, _) = uphill.values()
+    assert gain_once > 0
+    np.testing.assert_array_equal(once, again)
+
+
 _V3 = jnp.array([[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
 _R3 = jnp.array([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
 

@@ -47,6 +47,12 @@ _SWEEPS = 4
 # n >= 100 as much, for the time, as twice, which lengthens some runs at n = 30
 # (results/bench/README.md).
 _REFINE = 1
+# ... and up to this many times in all while free pairs still cross 0 and clipping them
+# leaves the full step a negative first-order gain, so that every trial of its line search
+# would fail (MLP n = 1000, six captured rounds: the two such rounds took 21 and 22 Newton
+# iterations and 28 and 29 evaluations against 25 and 47 / 45; the other four and every
+# MLP n = 300 capture unchanged, bit for bit; 6 or 10 passes: the same as 3).
+_REFINE_SPOILED = 3
 # Levenberg-Marquardt damping of the Newton system (``_direction``): its weight grows by
 # _DAMP_UP (to at least _DAMP_MIN, at most _DAMP_MAX) after a line search that needed
 # more than _DAMP_TRIALS trials or failed, and shrinks by _DAMP_DOWN (to 0 below
@@ -284,7 +290,8 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     the largest Hessian diagonal times ``eps + damping min(1, KKT residual)``
     (Levenberg-Marquardt; ``damping`` is 0 until a line search needs more than one
     halving, :func:`_next_damping`). Then, up to
-    ``_REFINE`` times, the free pairs that the step takes below 0 are fixed at 0 too and
+    ``_REFINE`` times (``_REFINE_SPOILED`` while clipping at 0 leaves the step a negative
+    first-order gain), the free pairs that the step takes below 0 are fixed at 0 too and
     CG resumes from the step on the pairs left free: the step's face is settled with
     Hessian products only, before the line search pays for an evaluation (``O(n^3)``),
     which halves the Newton iterations where many pairs change sign
@@ -367,9 +374,13 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
         s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop)
         return k + 1, active, jnp.where(free, s_free, s)
 
+    def spoiled(s):  # the full step's first-order gain along its projected path < 0
+        return pair_dot(grad, jnp.maximum(lam + s, 0.0) - lam) < 0
+
     def more(c):
         k, active, s = c
-        return running & (k < _REFINE) & jnp.any(crossing(active, s))
+        again = (k < _REFINE) | ((k < _REFINE_SPOILED) & spoiled(s))
+        return running & again & jnp.any(crossing(active, s))
 
     _, _, s = jax.lax.while_loop(more, refine, (0, active, s))
     return s, jnp.where(mask, diag_step, 0.0)
