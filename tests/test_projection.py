@@ -1149,9 +1149,10 @@ def test_refinement_goes_on_while_clipping_spoils_the_step(monkeypatch):
         spoiled = steps(2, 16, 2)  # instances found by a search over random multipliers
         uphill = steps(3, 8, 2)
     (once, gain_once), (again, gain_again) = spoiled.values()
+    # measured -125 and 16.6 (float64): the signs are far from rounding
     assert gain_once < 0 < gain_again and not np.array_equal(once, again)
     (once, gain_once), (again, _) = uphill.values()
-    assert gain_once > 0
+    assert gain_once > 0  # measured 27.6
     np.testing.assert_array_equal(once, again)
 
 

@@ -48,10 +48,11 @@ _SWEEPS = 4
 # (results/bench/README.md).
 _REFINE = 1
 # ... and up to this many times in all while free pairs still cross 0 and clipping them
-# leaves the full step a negative first-order gain, so that every trial of its line search
-# would fail (MLP n = 1000, six captured rounds: the two such rounds took 21 and 22 Newton
-# iterations and 28 and 29 evaluations against 25 and 47 / 45; the other four and every
-# MLP n = 300 capture unchanged, bit for bit; 6 or 10 passes: the same as 3).
+# leaves the full step a negative first-order gain: by concavity that step cannot increase
+# g, and its line search halved many times or failed (MLP n = 1000, six captured rounds:
+# the two such rounds took 21 and 22 Newton iterations and 28 and 29 evaluations against
+# 25 and 47 / 45; the other four and every MLP n = 300 capture unchanged, bit for bit;
+# 6 or 10 passes: the same as 3).
 _REFINE_SPOILED = 3
 # Levenberg-Marquardt damping of the Newton system (``_direction``): its weight grows by
 # _DAMP_UP (to at least _DAMP_MIN, at most _DAMP_MAX) after a line search that needed
@@ -290,11 +291,11 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     the largest Hessian diagonal times ``eps + damping min(1, KKT residual)``
     (Levenberg-Marquardt; ``damping`` is 0 until a line search needs more than one
     halving, :func:`_next_damping`). Then, up to
-    ``_REFINE`` times (``_REFINE_SPOILED`` while clipping at 0 leaves the step a negative
-    first-order gain), the free pairs that the step takes below 0 are fixed at 0 too and
-    CG resumes from the step on the pairs left free: the step's face is settled with
-    Hessian products only, before the line search pays for an evaluation (``O(n^3)``),
-    which halves the Newton iterations where many pairs change sign
+    ``_REFINE`` times (``_REFINE_SPOILED`` passes in all while clipping at 0 leaves the
+    step a negative first-order gain), the free pairs that the step takes below 0 are
+    fixed at 0 too and CG resumes from the step on the pairs left free: the step's face
+    is settled with Hessian products only, before the line search pays for an evaluation
+    (``O(n^3)``), which halves the Newton iterations where many pairs change sign
     (``results/bench/README.md``). With ``direct_cap`` > 0 each of these systems is solved
     exactly (:func:`_pair_newton_step`) where its free pairs number at most ``direct_cap``.
     """
@@ -320,10 +321,11 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     cut = jnp.where(worst < _ENTER_ALL_BELOW, 0.0, _ENTER * worst)
     active = active | (waiting & (rel < cut))
 
-    def solve(free, b, start=None, residual=None, stop=None):
+    def solve(free, b, start=None, residual=None, stop=None, run=running):
         """CG on the free pairs for ``H_FF s_F + mu s_F = b`` from ``start`` (None: 0),
         whose residual is ``residual``; with ``direct_cap`` the system solved exactly
-        where it is small enough, CG's loop then taking no trip."""
+        where it is small enough, CG's loop then taking no trip. CG iterates only where
+        ``run``."""
 
         def by_cg(run):
             op = lambda x: jnp.where(free, hvp(ev, mask, x) + mu * x, 0.0)
@@ -342,14 +344,14 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
             return symmetric(x)
 
         if not direct_cap:
-            return by_cg(running)
+            return by_cg(run)
         rhs = b if residual is None else residual
         step, ok = _pair_newton_step(ev, free, rhs, mu, direct_cap)
         if start is not None:
             step = start + step
         # CG's loop runs only where the direct step failed: no lax.cond, which under vmap
         # would run both branches for every member
-        return jnp.where(ok, step, by_cg(running & ~ok))
+        return jnp.where(ok, step, by_cg(run & ~ok))
 
     def crossing(active, s):  # free pairs that the step takes below 0
         return mask & ~active & (lam + s < 0)
@@ -365,21 +367,26 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     s = solve(free, b, stop=stop)
 
     def refine(c):
+        # (under vmap the members that need no further pass run this body too: their
+        # CG takes no trip, and the loop drops their result)
+        go = more(c)
         k, active, s = c
         cross = crossing(active, s)
         active = active | cross
         free = mask & ~active
         s = jnp.where(cross, -lam, s)
         r = jnp.where(free, grad - hvp(ev, mask, s) - mu * s, 0.0)
-        s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop)
+        s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop, run=go)
         return k + 1, active, jnp.where(free, s_free, s)
 
     def spoiled(s):  # the full step's first-order gain along its projected path < 0
         return pair_dot(grad, jnp.maximum(lam + s, 0.0) - lam) < 0
 
+    spoiled_passes = _REFINE_SPOILED if _REFINE else 0  # _REFINE = 0: no refinement
+
     def more(c):
         k, active, s = c
-        again = (k < _REFINE) | ((k < _REFINE_SPOILED) & spoiled(s))
+        again = (k < _REFINE) | ((k < spoiled_passes) & spoiled(s))
         return running & again & jnp.any(crossing(active, s))
 
     _, _, s = jax.lax.while_loop(more, refine, (0, active, s))
