@@ -1120,7 +1120,7 @@ def test_refined_newton_step_solves_the_system_on_its_face(monkeypatch):
 def test_refinement_goes_on_while_clipping_spoils_the_step(monkeypatch):
     """A refined step that still takes free pairs below 0 can point downhill once clipped:
     its first-order gain along the projected path ``max(lam + s, 0) - lam`` is negative,
-    and every trial of the line search along it fails. Then the step's face is refined
+    and by concavity the full step cannot increase g. Then the step's face is refined
     again (up to ``_REFINE_SPOILED`` passes in all), which turns the gain positive here;
     a step that clipping leaves uphill keeps its one refinement (``_REFINE``) bit for bit,
     also where free pairs still cross 0."""

@@ -367,29 +367,28 @@ def _direction(red, mask, lam, ev, running, cg_iter, damping=0.0, direct_cap=0):
     s = solve(free, b, stop=stop)
 
     def refine(c):
-        # (under vmap the members that need no further pass run this body too: their
-        # CG takes no trip, and the loop drops their result)
-        go = more(c)
-        k, active, s = c
+        # (under vmap the members that need no further pass, ``go`` False, run this body
+        # too: their CG takes no trip, and the loop drops their result)
+        k, active, s, go = c
         cross = crossing(active, s)
         active = active | cross
         free = mask & ~active
         s = jnp.where(cross, -lam, s)
         r = jnp.where(free, grad - hvp(ev, mask, s) - mu * s, 0.0)
         s_free = solve(free, None, jnp.where(free, s, 0.0), r, stop, run=go)
-        return k + 1, active, jnp.where(free, s_free, s)
+        s = jnp.where(free, s_free, s)
+        return k + 1, active, s, more(k + 1, active, s)
 
     def spoiled(s):  # the full step's first-order gain along its projected path < 0
         return pair_dot(grad, jnp.maximum(lam + s, 0.0) - lam) < 0
 
     spoiled_passes = _REFINE_SPOILED if _REFINE else 0  # _REFINE = 0: no refinement
 
-    def more(c):
-        k, active, s = c
+    def more(k, active, s):  # whether pass k + 1 runs (once per pass, carried)
         again = (k < _REFINE) | ((k < spoiled_passes) & spoiled(s))
         return running & again & jnp.any(crossing(active, s))
 
-    _, _, s = jax.lax.while_loop(more, refine, (0, active, s))
+    _, _, s, _ = jax.lax.while_loop(lambda c: c[3], refine, (0, active, s, more(0, active, s)))
     return s, jnp.where(mask, diag_step, 0.0)
 
 
