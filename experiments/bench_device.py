@@ -81,15 +81,17 @@ class DeviceConfig:
 
 def quick(cfg: DeviceConfig) -> DeviceConfig:
     """Every part at toy sizes (a smoke run on any machine), the default solvers side by
-    side (a further solver is one more row of the same code, and one more compilation)."""
+    side (a further solver is one more row of the same code, and one more compilation).
+    The many-client part runs the binding part's shapes (n and rows), so that its
+    programs are ones already compiled (a smoke run checks the code path, not a size)."""
     return dataclasses.replace(
         cfg,
         binding_sizes=(6,),
         warmup=1,
         rounds=1,
         rounds_large=1,
-        many_sizes=(12,),
-        many_rows=(3, 5),
+        many_sizes=(6,),
+        many_rows=bench_scale.ScaleConfig().rows,
         many_warmup=1,
         many_rounds=1,
     )

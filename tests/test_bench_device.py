@@ -44,7 +44,7 @@ def test_quick_run_writes_every_part_with_its_solver_and_active_share(capsys, tm
         if row[1] != "FedAvg":
             assert re.fullmatch(r"\d+\.\d%", row[share]), row
             assert float(row[head.index("max certified gap")]) < 1e-3
-    assert [row[0] for row in many[1:]] == ["12", "12"]
+    assert [row[0] for row in many[1:]] == ["6", "6"]
     assert "Device peak memory in use" in page
     assert study[0][0] == "workload" and study[1][0] == "ridge n=10"
     assert "pairs with lam > 0" in study[0]
