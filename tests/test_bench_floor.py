@@ -62,7 +62,7 @@ def test_rows_state_the_budget_and_what_it_affords():
     )  # fmt: skip
     round_row, anatomy = ([c.strip() for c in row.split("|")] for row in bf.rows_of(result))
     assert round_row[2] == "2 (6)" and round_row[5] == "2.0x" and round_row[-1] == "26.0"
-    assert anatomy[5] == "3 / 1" and anatomy[6] == "2.0"
+    assert anatomy[5] == "3 / 1" and anatomy[6] == "2.0 (0.5 / 1.0 / 0.5)"
     assert anatomy[-4:] == ["112%", "10.0", "32", "1.50 / 2.00 (3.0x)"]
     # a budget below the fixed costs affords nothing
     assert bf.rows_of({**result, "target": 1.0})[1].split("|")[-2].strip() == "0"
