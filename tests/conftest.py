@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+import _compile_report
 import jax
 import pytest
 
@@ -86,12 +87,52 @@ def _set_test_xla_flags() -> None:
 _set_test_xla_flags()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Says which XLA flags the tests ran with and which of the test flags this XLA refused."""
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compile-report",
+        action="store_true",
+        help="print each test module's seconds in JAX tracing, lowering and XLA compilation "
+        "(summed over tests and xdist workers; tests/_compile_report.py)",
+    )
+
+
+_COMPILE_TOTALS = _compile_report.Totals()
+
+
+def pytest_configure(config):
+    if config.getoption("compile_report"):
+        _compile_report.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _compile_report.reset()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if item.config.getoption("compile_report"):
+        item.user_properties.append((_compile_report.PROPERTY, _compile_report.snapshot()))
+
+
+def pytest_runtest_logreport(report):
+    """Sums each test's phases (on the xdist controller too, from the workers' reports)."""
+    props = report.user_properties if report.when == "teardown" else ()
+    _COMPILE_TOTALS.add(report.nodeid, report.duration, props)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Says which XLA flags the tests ran with and which of the test flags this XLA
+    refused; with ``--compile-report``, where the test time went."""
     refused = os.environ.get(_PROBED_VAR) or "none"
     terminalreporter.write_line(
         f"XLA_FLAGS: {os.environ['XLA_FLAGS']} (test flags this XLA refused: {refused})"
     )
+    if config.getoption("compile_report"):
+        for line in _COMPILE_TOTALS.lines():
+            terminalreporter.write_line(line)
 
 
 # One on-disk compilation cache per test run, shared by the xdist workers (they inherit the
