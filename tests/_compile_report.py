@@ -1,13 +1,13 @@
 """Where the suite's time goes: JAX tracing, lowering and XLA compilation per test module.
 
-``pytest --compile-report`` (tests/conftest.py) listens to JAX's own compile events in
-every process that runs tests (each xdist worker), attaches each test's sums to its
-teardown report (``user_properties``, which xdist sends to the controller) and prints one
-table at the end: per module, the test time (setup, call and teardown), the seconds in
-XLA's backend compiler, in tracing and lowering to StableHLO, and how many programs were
-compiled and how many read back from the on-disk compilation cache. Programs compiled
-inside subprocesses (notebook kernels, sharding and distributed runs) are not seen: their
-time counts as the test's and no compile's.
+``pytest --compile-report`` (tests/conftest.py registers :class:`Plugin`) listens to JAX's
+own compile events in every process that runs tests (each xdist worker), attaches each
+test's sums to its teardown report (``user_properties``, which xdist sends to the
+controller) and prints one table at the end: per module, the test time (setup, call and
+teardown), the seconds in XLA's backend compiler, in tracing and lowering to StableHLO,
+and how many programs were compiled and how many read back from the on-disk compilation
+cache. Programs compiled inside subprocesses (notebook kernels, sharding and distributed
+runs) are not seen: their time counts as the test's and no compile's.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import collections
 from collections.abc import Iterable
 
 import jax.monitoring
+import pytest
 
 # JAX's event names (jax/_src/dispatch.py and jax/_src/compiler.py).
 _COMPILE = "/jax/core/compile/backend_compile_duration"  # also on a cache hit (its read)
@@ -93,3 +94,32 @@ class Totals:
                 f"{share('trace_s'):.0f}% tracing and lowering (subprocesses not seen)"
             )
         return out
+
+
+class Plugin:
+    """The hooks: each test's sums reset at its setup and attached to its teardown report;
+    the controller's totals printed at the end. Registered only with ``--compile-report``,
+    so a plain run does no per-test work here."""
+
+    def __init__(self) -> None:
+        start()
+        self.totals = Totals()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        reset()
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        yield
+        item.user_properties.append((PROPERTY, snapshot()))
+
+    def pytest_runtest_logreport(self, report):
+        """Sums each test's phases (on the xdist controller, from the workers' reports)."""
+        props = report.user_properties if report.when == "teardown" else ()
+        self.totals.add(report.nodeid, report.duration, props)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for line in self.totals.lines():
+            terminalreporter.write_line(line)

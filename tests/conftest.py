@@ -96,43 +96,17 @@ def pytest_addoption(parser):
     )
 
 
-_COMPILE_TOTALS = _compile_report.Totals()
-
-
 def pytest_configure(config):
     if config.getoption("compile_report"):
-        _compile_report.start()
+        config.pluginmanager.register(_compile_report.Plugin(), "karula_compile_report")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    _compile_report.reset()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    yield
-    if item.config.getoption("compile_report"):
-        item.user_properties.append((_compile_report.PROPERTY, _compile_report.snapshot()))
-
-
-def pytest_runtest_logreport(report):
-    """Sums each test's phases (on the xdist controller too, from the workers' reports)."""
-    props = report.user_properties if report.when == "teardown" else ()
-    _COMPILE_TOTALS.add(report.nodeid, report.duration, props)
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    """Says which XLA flags the tests ran with and which of the test flags this XLA
-    refused; with ``--compile-report``, where the test time went."""
+def pytest_terminal_summary(terminalreporter):
+    """Says which XLA flags the tests ran with and which of the test flags this XLA refused."""
     refused = os.environ.get(_PROBED_VAR) or "none"
     terminalreporter.write_line(
         f"XLA_FLAGS: {os.environ['XLA_FLAGS']} (test flags this XLA refused: {refused})"
     )
-    if config.getoption("compile_report"):
-        for line in _COMPILE_TOTALS.lines():
-            terminalreporter.write_line(line)
 
 
 # One on-disk compilation cache per test run, shared by the xdist workers (they inherit the
