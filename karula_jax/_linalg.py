@@ -107,14 +107,15 @@ def _householder_q(a):
     ``T`` upper triangular, LAPACK's compact WY form) on the whole matrix by three matrix
     products. ``Q`` is the product of all reflections applied to the first ``r`` columns of
     the identity, panel by panel, so its columns are orthonormal for every ``a`` and the
-    columns of ``a`` lie in their span.
+    columns of ``a`` lie in their span. The work is held transposed (``[columns, m]``), so
+    that a reflection reads and writes contiguous rows (``docs/implementation_notes.md``).
     """
     m, k = a.shape
     r = min(m, k)
     b = min(r, _QR_BLOCK)
     panels = -(-r // b)
     # the first r columns determine Q; zero columns (up to a whole panel) reflect nothing
-    a = jnp.zeros((m, panels * b), a.dtype).at[:, :r].set(a[:, :r])
+    work = jnp.zeros((panels * b, m), a.dtype).at[:r].set(a[:, :r].T)  # a^T, padded
     rows = jnp.arange(m)
 
     def panel_step(p, carry):
@@ -122,26 +123,26 @@ def _householder_q(a):
         j0 = p * b
 
         def reflect(i, c):
-            panel, v_panel = c
-            col = jax.lax.dynamic_index_in_dim(panel, i, 1, keepdims=False)
+            panel, v_panel = c  # [b, m] each: the panel's columns and unit vectors as rows
+            col = jax.lax.dynamic_index_in_dim(panel, i, 0, keepdims=False)
             v = _reflector(jnp.where(rows >= j0 + i, col, 0.0), j0 + i, rows)
-            panel = panel - 2.0 * v[:, None] * (v @ panel)[None, :]
-            return panel, jax.lax.dynamic_update_index_in_dim(v_panel, v, i, 1)
+            panel = panel - 2.0 * (panel @ v)[:, None] * v[None, :]
+            return panel, jax.lax.dynamic_update_index_in_dim(v_panel, v, i, 0)
 
-        panel = jax.lax.dynamic_slice_in_dim(work, j0, b, axis=1)
-        _, v = jax.lax.fori_loop(0, b, reflect, (panel, jnp.zeros((m, b), a.dtype)))
+        panel = jax.lax.dynamic_slice_in_dim(work, j0, b, axis=0)
+        _, v = jax.lax.fori_loop(0, b, reflect, (panel, jnp.zeros((b, m), a.dtype)))
 
-        t = _compact_wy(v)
-        work = work - v @ (t.T @ (v.T @ work))  # the panel's reflections, first to last
+        t = _compact_wy(v.T)
+        work = work - ((work @ v.T) @ t) @ v  # the panel's reflections, first to last
         vs = jax.lax.dynamic_update_index_in_dim(vs, v, p, 0)
         return work, vs, jax.lax.dynamic_update_index_in_dim(ts, t, p, 0)
 
-    init = (a, jnp.zeros((panels, m, b), a.dtype), jnp.zeros((panels, b, b), a.dtype))
+    init = (work, jnp.zeros((panels, b, m), a.dtype), jnp.zeros((panels, b, b), a.dtype))
     _, vs, ts = jax.lax.fori_loop(0, panels, panel_step, init)
 
     def apply(i, q):  # the last panel first
         v, t = vs[panels - 1 - i], ts[panels - 1 - i]
-        return q - v @ (t @ (v.T @ q))
+        return q - v.T @ (t @ (v @ q))
 
     return jax.lax.fori_loop(0, panels, apply, jnp.eye(m, r, dtype=a.dtype))
 
