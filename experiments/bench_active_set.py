@@ -6,11 +6,12 @@ rounds' projection problems are captured as ``bench_floor`` captures them (the s
 without its projection gives ``v``, the round's state the warm start) and taken apart:
 
 * **moves**: how far each client's model moved since the previous round's answer, in units
-  of the median radius; the participants (the ``n // 10`` clients that moved most, with the
-  largest move of the others beside it, so that the split is visible) and the others.
+  of the median radius; the round's participants (its sampled clients,
+  ``RoundInfo.participants``) and the others.
 * **path** (the first captured round): the solver stopped after ``j = 1, 2, ...`` Newton
   iterations (``max_iter = j``, the same warm start; the solver is deterministic, so it is
-  iterate ``j`` of the full run): pairs with a positive multiplier, and the KKT residual of
+  iterate ``j`` of the full run; the last ``j`` is checked to give the full run's
+  multipliers): pairs with a positive multiplier, and the KKT residual of
   ``theta(lam) = (I + L_lam)^-1 v`` computed here in float64 from the multipliers alone
   (:func:`kkt_residual`; the solver's own measure, ``laplacian._kkt``).
 * **warm starts**: Newton iterations from the round's warm start, from 0 (a cold start),
@@ -26,10 +27,11 @@ tests run it).
 Runtime: about 10 min at the defaults on 2 CPU cores (n = 1000 dominates: each ``max_iter``
 of the path is a program of its own).
 
-Expected: every client moves several radii a round; the pairs with a positive multiplier
-swell to several times the answer's before they shrink back, the KKT residual falls 2-4x an
-iteration until about 1 and quadratically after; only the answer's own multipliers as a
-whole save the iterations; a looser tolerance saves the last one or two.
+Expected: every client moves several radii a round, the participants most; the pairs with a
+positive multiplier swell to several times the answer's before they shrink back, the KKT
+residual falls 2-4x an iteration until about 0.1 and faster after; the answer's multipliers
+on one part of the pairs still leave 10 or more iterations, only the whole answer's none; a
+looser tolerance saves the last few.
 """
 
 from __future__ import annotations
@@ -100,9 +102,10 @@ def kkt_residual(v, r2, lam) -> float:
 
 
 def captured(cfg: ActiveSetConfig, n: int):
-    """``(r2, [(v, previous answer, warm state), ...])``: ``cfg.rounds`` of the binding
-    rounds' projection problems after ``cfg.warmup`` rounds (``v`` and the previous
-    answer flattened ``[n, p]``, as the projection flattens the personalized leaves)."""
+    """``(r2, [(v, previous answer, warm state, participants), ...])``: ``cfg.rounds`` of
+    the binding rounds' projection problems after ``cfg.warmup`` rounds (``v`` and the
+    previous answer flattened ``[n, p]``, as the projection flattens the personalized
+    leaves; ``participants`` the round's sampled clients, bool ``[n]``)."""
     data, params, loss, D = mlp_problem(n, rows=cfg.rows)
     pers = output_layer_mask(params)
     make = functools.partial(
@@ -125,14 +128,22 @@ def captured(cfg: ActiveSetConfig, n: int):
     problems = []
     for _ in range(cfg.rounds):
         previous = _flat(_own(pers, state.params), n)
-        bare, _ = fns["bare"](jax.tree.map(jnp.copy, state), data)
+        bare, info = fns["bare"](jax.tree.map(jnp.copy, state), data)
         warm = jax.tree.map(jnp.copy, state.proj_state)  # the round donates its state
-        problems.append((_flat(_own(pers, bare.params), n), previous, warm))
+        sampled = np.asarray(info.participants, bool)  # the same key: the round's sample
+        problems.append((_flat(_own(pers, bare.params), n), previous, warm, sampled))
         state, _ = fns["karula"](state, data)
     return A.radii_squared(cfg.t, D), problems
 
 
 def bench_n(cfg: ActiveSetConfig, n: int) -> dict:
+    """The measurements at ``n`` clients: ``{"n", "rounds": [one dict a captured round:
+    "participants" / "others" (their moves in median radii), "iterations" (from each
+    start), "active" / "warm_active" (pairs with lam > 0 in the answer / warm start),
+    "new" / "new_touching" (the answer's pairs at 0 in the warm start / of those, a
+    participant's), "tol" ({tol: (iterations, ms)})], "path": [(j, pairs with lam > 0,
+    KKT residual)], "path_start": (pairs, KKT residual) at the warm start,
+    "path_matches": whether the path's last step gave the full run's multipliers}``."""
     r2, problems = captured(cfg, n)
 
     @functools.cache
@@ -145,14 +156,12 @@ def bench_n(cfg: ActiveSetConfig, n: int) -> dict:
 
     default = solver(cfg.tols[0], 1000)
     radius = float(np.median(np.sqrt(np.asarray(r2)[~np.eye(n, dtype=bool)])))
-    s = max(1, n // 10)
     out = {"n": n, "rounds": [], "path": []}
-    for index, (v, previous, warm) in enumerate(problems):
+    for index, (v, previous, warm, sampled) in enumerate(problems):
         _, info = default(v, warm.lam)
         star = info.state.lam
-        moves = np.sort(np.linalg.norm(np.asarray(v - previous), axis=1))[::-1] / radius
-        moved = np.asarray(jnp.linalg.norm(v - previous, axis=1)) / radius >= moves[s - 1]
-        touches = jnp.asarray(moved[:, None] | moved[None, :])
+        moves = np.linalg.norm(np.asarray(v - previous, np.float64), axis=1) / radius
+        touches = jnp.asarray(sampled[:, None] | sampled[None, :])
         starts = {
             "warm": warm.lam,
             "cold": jnp.zeros_like(warm.lam),
@@ -161,8 +170,8 @@ def bench_n(cfg: ActiveSetConfig, n: int) -> dict:
             "others": jnp.where(touches, warm.lam, star),
         }
         row = {
-            "participants": moves[:s].tolist(),
-            "others": moves[s:].tolist(),
+            "participants": moves[sampled].tolist(),
+            "others": moves[~sampled].tolist(),
             "iterations": {k: int(default(v, lam)[1].iterations) for k, lam in starts.items()},
             "active": _active(star, n),
             "warm_active": _active(warm.lam, n),
@@ -184,8 +193,16 @@ def bench_n(cfg: ActiveSetConfig, n: int) -> dict:
             for j in range(1, min(last, cfg.path_max or last) + 1):
                 lam = solver(cfg.tols[0], j)(v, warm.lam)[1].state.lam
                 out["path"].append((j, _active(lam, n), kkt_residual(v, r2, lam)))
+            # stopped at the full run's count, the solver gives the full run's multipliers
+            full = bool(out["path"]) and out["path"][-1][0] == last
+            out["path_matches"] = bool(jnp.array_equal(lam, star)) if full else None
             out["path_start"] = (_active(warm.lam, n), kkt_residual(v, r2, warm.lam))
     return out
+
+
+def _verdict(matches) -> str:
+    """``path_matches`` in words."""
+    return {True: "yes", False: "no", None: "not checked (path_max)"}[matches]
 
 
 def _active(lam, n) -> int:
@@ -209,19 +226,21 @@ PATH_HEAD = "n | Newton iteration | pairs with lam > 0 | KKT residual of theta(l
 
 
 def tol_head(cfg) -> str:
+    """The tolerance table's header: one column of iterations and ms per ``cfg.tols``."""
     return "n | " + " | ".join(f"tol {t:g}: Newton iterations, ms" for t in cfg.tols)
 
 
 def rows_of(cfg, r) -> tuple[list[str], list[str], str]:
+    """``(moves rows, path rows, tolerance row)`` of :func:`bench_n`'s result ``r``."""
     n = r["n"]
     moves = []
     for k, row in enumerate(r["rounds"]):
         its = row["iterations"]
         moves.append(
             f"{n} | {cfg.warmup + k + 1} | {min(row['participants']):.1f}-"
-            f"{max(row['participants']):.1f} | {np.median(row['others']):.1f}, "
+            f"{max(row['participants']):.1f} | {np.median(row['others'] or [0.0]):.1f}, "
             f"{max(row['others'], default=0.0):.1f} | {row['warm_active']:,} / "
-            f"{row['active']:,} | {row['new'] / row['active']:.0%} "
+            f"{row['active']:,} | {row['new'] / max(row['active'], 1):.0%} "
             f"({row['new_touching'] / max(row['new'], 1):.0%}) | {its['warm']} / "
             f"{its['cold']} / {its['answer']} / {its['participants']} / {its['others']}"
         )
@@ -237,13 +256,14 @@ def rows_of(cfg, r) -> tuple[list[str], list[str], str]:
 
 
 def to_markdown(cfg, argv, results) -> str:
+    """The page: the moves and warm starts, the path and the tolerances of every size."""
     rows = [rows_of(cfg, r) for r in results]
     return bench_page(
         "Why a binding round's projection takes a dozen Newton iterations",
         run_header("experiments.bench_active_set", argv, cfg),
         "Captured rounds of the binding MLP (as `bench_floor`). Moves: each client's model "
-        "against the previous round's answer, in median radii; participants: the n // 10 "
-        "clients that moved most. New in the answer: its pairs with lam > 0 that the warm "
+        "against the previous round's answer, in median radii; participants: the round's "
+        "n // 10 sampled clients. New in the answer: its pairs with lam > 0 that the warm "
         "start had at 0 (in parentheses: the share of those that are a participant's). "
         "Newton iterations from five starts: the round's, all multipliers 0, the answer's, "
         "the answer's on the pairs of a participant (the round's elsewhere), the answer's on "
@@ -251,7 +271,10 @@ def to_markdown(cfg, argv, results) -> str:
         (MOVES_HEAD, [m for ms, _, _ in rows for m in ms]),
         f"\nThe path of the first captured round (round {cfg.warmup + 1}): the solver "
         "stopped after each Newton iteration; the KKT residual of theta(lam) = "
-        "(I + L_lam)^-1 v in float64 from the multipliers alone.\n",
+        "(I + L_lam)^-1 v in float64 from the multipliers alone. Stopped at the full "
+        "run's count, the solver gave the full run's multipliers: "
+        + ", ".join(f"n = {r['n']}: {_verdict(r.get('path_matches'))}" for r in results)
+        + ".\n",
         (PATH_HEAD, [p for _, ps, _ in rows for p in ps]),
         "\nThe projection at each tolerance, from the round's warm start (ranges over the "
         "captured rounds; ms: median of the timed calls, compiled, in one process).\n",
